@@ -1,0 +1,3 @@
+"""kvgate: KV-cache-aware admission control for vLLM."""
+
+__version__ = "0.1.0"

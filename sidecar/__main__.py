@@ -1,0 +1,3 @@
+from sidecar.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Command-line entry points: `kvgate plan`, `kvgate serve`, and small helpers."""

@@ -1,0 +1,83 @@
+"""`kvgate` command dispatcher. Subcommands import their modules lazily, so that
+`kvgate plan` never loads the server's dependencies."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+USAGE = """\
+usage: kvgate <command> [options]
+
+KV-cache-aware admission control for vLLM.
+
+commands:
+  serve     run the sidecar in front of a vLLM server (admit, queue or reject by prediction)
+  plan      plan a deployment offline: KV capacity as vLLM logs it, latency, max-num-seqs
+  presets   list the bundled model configs usable as --model / --model-config
+  gpus      list the GPU catalogue and its figures
+
+`kvgate <command> --help` explains each command's options.
+"""
+
+
+def _presets(argv: Sequence[str]) -> int:
+    from sidecar.model import presets
+
+    for name in presets.names():
+        print(name)
+    return 0
+
+
+def _gpus(argv: Sequence[str]) -> int:
+    from sidecar.cli.table import render
+    from sidecar.model import CATALOGUE
+
+    rows = [
+        [gpu.name, f"{gpu.memory_gib:g}", f"{gpu.bandwidth_gbps:,.0f}", f"{gpu.bf16_tflops:,.0f}",
+         f"{gpu.fp8_tflops:,.0f}" if gpu.fp8_tflops else "-", gpu.source]
+        for gpu in CATALOGUE
+    ]
+    print(render(rows, ["gpu", "memory GiB", "GB/s", "bf16 TFLOPS", "fp8 TFLOPS", "source"]))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _dispatch(list(sys.argv[1:] if argv is None else argv))
+    except BrokenPipeError:
+        # Output piped into `head` and the like: stop quietly.
+        sys.stderr.close()
+        return 0
+    except KeyboardInterrupt:
+        return 130
+
+
+def _dispatch(args: list[str]) -> int:
+    if not args or args[0] in ("-h", "--help", "help"):
+        sys.stdout.write(USAGE)
+        return 0
+    command, rest = args[0], args[1:]
+    if command in ("--version", "version"):
+        from sidecar import __version__
+
+        print(f"kvgate {__version__}")
+        return 0
+    if command == "plan":
+        from sidecar.cli import plan
+
+        return plan.run(rest)
+    if command == "serve":
+        from sidecar.cli import serve
+
+        return serve.run(rest)
+    if command == "presets":
+        return _presets(rest)
+    if command == "gpus":
+        return _gpus(rest)
+    sys.stderr.write(f"kvgate: error: unknown command {command!r} (see `kvgate --help`)\n")
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,469 @@
+"""`kvgate plan`: capacity planning for a model on a GPU, offline.
+
+Imports only the pure model, so `kvgate plan --json` starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sidecar.cli.args import Parser, fraction, positive_float, positive_int
+from sidecar.cli.table import render
+from sidecar.model import (
+    ChainCall,
+    Deployment,
+    Efficiency,
+    Gpu,
+    ModelError,
+    ServedModel,
+    chain,
+    custom_gpu,
+    find_gpu,
+    gpu_names,
+    read_architecture,
+    recommend,
+    steady_latency,
+)
+from sidecar.model.gpu import with_overrides
+from sidecar.model.planning import DEFAULT_KV_MARGIN
+from sidecar.model.quantization import DTYPE_CHOICES
+from sidecar.model.served import KV_CACHE_DTYPES
+from sidecar.model.units import GIB
+
+DESCRIPTION = """\
+Plan a vLLM deployment from the model's config.json and the GPU's figures: weights per
+GPU, KV cache bytes per token and per sequence, the KV budget, the KV cache size and
+maximum concurrency exactly as vLLM logs them at start-up, TTFT/TPOT/E2E by roofline,
+and the recommended --max-num-seqs and replica count (Little's law).
+"""
+
+EPILOG = """\
+examples:
+  kvgate plan --model Qwen/Qwen3-8B --gpu H100
+  kvgate plan --model ./my-model/ --gpu L40S --tp 2 --kv-cache-dtype fp8 --json
+  kvgate plan --model meta-llama/Meta-Llama-3.1-8B --available-kv-gib 3.81 \\
+      --max-model-len 20000 --json        # capacity from the budget vLLM logged
+  kvgate plan --model Qwen/Qwen3-8B --gpu A100-80GB --prompt-tokens 2000 \\
+      --output-tokens 500 --arrival-rate 4 --tpot-slo-ms 50 --print vllm-args
+
+Exit codes: 0 ok, 2 bad input (the message names what is wrong).
+Known GPUs: """
+
+
+def build_parser(prog: str = "kvgate plan") -> Parser:
+    parser = Parser(
+        prog=prog,
+        description=DESCRIPTION,
+        epilog=EPILOG + ", ".join(gpu_names()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", required=True, metavar="M",
+                       help="a config.json, a directory holding one, or a preset name "
+                            "(e.g. Qwen/Qwen3-8B; `kvgate presets` lists them)")
+    model.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                       help="weight precision: auto reads torch_dtype and quantization_config "
+                            "(default: auto)")
+    model.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                       help="KV cache element type: auto follows the model dtype (default: auto)")
+
+    gpu = parser.add_argument_group("GPU (a catalogue name, or custom figures)")
+    gpu.add_argument("--gpu", metavar="NAME", help="GPU from the catalogue, e.g. H100, A100-80GB")
+    gpu.add_argument("--gpu-memory-gib", type=positive_float, metavar="X",
+                     help="runtime-visible memory per GPU in GiB (overrides the catalogue)")
+    gpu.add_argument("--gpu-bandwidth-gbps", type=positive_float, metavar="Y",
+                     help="memory bandwidth in GB/s (overrides the catalogue)")
+    gpu.add_argument("--gpu-tflops", type=positive_float, metavar="Z",
+                     help="dense bf16 TFLOP/s (overrides the catalogue)")
+    gpu.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                     help="tensor-parallel size: GPUs per replica (default: 1)")
+
+    vllm = parser.add_argument_group("vLLM settings")
+    vllm.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
+                      help="share of GPU memory vLLM may use (default: 0.9)")
+    vllm.add_argument("--max-model-len", type=positive_int, metavar="N",
+                      help="context length per request (default: the model's "
+                           "max_position_embeddings)")
+    vllm.add_argument("--block-size", type=positive_int, default=16, metavar="N",
+                      help="tokens per KV block (default: 16; vLLM on CPU uses 128)")
+    vllm.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",
+                      help="tokens per engine step (default: vLLM's default for the GPU)")
+    vllm.add_argument("--max-num-seqs", type=positive_int, metavar="N",
+                      help="vLLM's cap on running sequences (default: vLLM's default)")
+    vllm.add_argument("--num-gpu-blocks-override", type=positive_int, metavar="N",
+                      help="a forced number of KV blocks, as vLLM's flag of that name")
+    vllm.add_argument("--available-kv-gib", type=positive_float, metavar="X",
+                      help="the KV budget per GPU vLLM logged ('Available KV cache memory'); "
+                           "capacity then follows exactly and no GPU is needed")
+
+    load = parser.add_argument_group("workload")
+    load.add_argument("--sequence-tokens", type=positive_int, metavar="S",
+                      help="tokens of one sequence for kv_bytes_per_sequence "
+                           "(default: max-model-len)")
+    load.add_argument("--prompt-tokens", type=positive_int, default=1024, metavar="P",
+                      help="prompt tokens per request (default: 1024)")
+    load.add_argument("--output-tokens", type=positive_int, default=256, metavar="O",
+                      help="output tokens per request (default: 256)")
+    load.add_argument("--concurrency", type=positive_int, default=1, metavar="C",
+                      help="requests running together for TTFT/TPOT/E2E (default: 1)")
+    load.add_argument("--arrival-rate", type=positive_float, metavar="R",
+                      help="requests per second: sizes concurrency and replicas by Little's law")
+    load.add_argument("--ttft-slo-ms", type=positive_float, metavar="MS",
+                      help="TTFT target: caps the recommended concurrency")
+    load.add_argument("--tpot-slo-ms", type=positive_float, metavar="MS",
+                      help="TPOT target: caps the recommended concurrency")
+    load.add_argument("--kv-margin", type=fraction, default=DEFAULT_KV_MARGIN, metavar="F",
+                      help=f"share of the KV cache to plan for (default: {DEFAULT_KV_MARGIN})")
+    load.add_argument("--chain", metavar="IN:OUT,...",
+                      help="a multi-call chain (agent/RAG), e.g. 1000:200,1500:300,2000:500: "
+                           "prints its total latency")
+    load.add_argument("--no-prefix-cache", action="store_true",
+                      help="for --chain: every call re-prefills its whole input")
+    load.add_argument("--calibration", type=Path, metavar="FILE",
+                      help="efficiencies saved by a live sidecar (GET /kvgate/v1/calibration)")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print one JSON object")
+    out.add_argument("--print", dest="emit", choices=("report", "vllm-args", "helm-values"),
+                     default="report",
+                     help="what to print: the report (default), the recommended vLLM "
+                          "arguments, or Helm values for the kvgate chart")
+    return parser
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    served: ServedModel
+    sequence_tokens: int
+    prompt_tokens: int
+    output_tokens: int
+    concurrency: int
+    arrival_rate: float | None
+    ttft_slo_s: float | None
+    tpot_slo_s: float | None
+    kv_margin: float
+    chain: tuple[ChainCall, ...]
+    prefix_cache: bool
+
+
+def _gpu_from_args(args: argparse.Namespace) -> Gpu | None:
+    if args.gpu:
+        return with_overrides(
+            find_gpu(args.gpu), args.gpu_memory_gib, args.gpu_bandwidth_gbps, args.gpu_tflops
+        )
+    figures = (args.gpu_memory_gib, args.gpu_bandwidth_gbps, args.gpu_tflops)
+    if all(value is not None for value in figures):
+        return custom_gpu(*figures)
+    if any(value is not None for value in figures):
+        raise ModelError(
+            "a custom GPU needs all of --gpu-memory-gib, --gpu-bandwidth-gbps and --gpu-tflops"
+        )
+    return None
+
+
+def _parse_chain(text: str | None) -> tuple[ChainCall, ...]:
+    if not text:
+        return ()
+    calls = []
+    for part in text.split(","):
+        head, sep, tail = part.strip().partition(":")
+        try:
+            inputs, outputs = int(head), int(tail)
+        except ValueError:
+            raise ModelError(f"--chain entry {part.strip()!r} is not IN:OUT integers") from None
+        if not sep or inputs <= 0 or outputs <= 0:
+            raise ModelError(f"--chain entry {part.strip()!r} is not IN:OUT positive integers")
+        calls.append(ChainCall(inputs, outputs))
+    return tuple(calls)
+
+
+def load_efficiency(path: Path | None) -> Efficiency | None:
+    if path is None:
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ModelError(f"--calibration {path}: cannot read ({exc.strerror})") from exc
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"--calibration {path}: not valid JSON ({exc.msg})") from exc
+    section = data.get("efficiency") if isinstance(data, dict) else None
+    if not isinstance(section, dict):
+        raise ModelError(f"--calibration {path}: no 'efficiency' object")
+    try:
+        return Efficiency.from_mapping(section)
+    except ValueError as exc:
+        raise ModelError(f"--calibration {path}: {exc}") from exc
+
+
+def plan_input(args: argparse.Namespace) -> PlanInput:
+    arch = read_architecture(args.model)
+    gpu = _gpu_from_args(args)
+    deployment = Deployment(
+        tp=args.tp,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        available_kv_bytes=int(args.available_kv_gib * GIB) if args.available_kv_gib else None,
+    )
+    efficiency = load_efficiency(args.calibration)
+    served = ServedModel(arch, deployment, gpu)
+    if efficiency is not None:
+        served = served.with_efficiency(efficiency)
+    return PlanInput(
+        served=served,
+        sequence_tokens=args.sequence_tokens or served.max_model_len,
+        prompt_tokens=args.prompt_tokens,
+        output_tokens=args.output_tokens,
+        concurrency=args.concurrency,
+        arrival_rate=args.arrival_rate,
+        ttft_slo_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None,
+        tpot_slo_s=args.tpot_slo_ms / 1000 if args.tpot_slo_ms else None,
+        kv_margin=args.kv_margin,
+        chain=_parse_chain(args.chain),
+        prefix_cache=not args.no_prefix_cache,
+    )
+
+
+def compute_plan(plan: PlanInput) -> dict[str, Any]:
+    """The plan as one JSON-ready object (the `--json` contract)."""
+    served = plan.served
+    arch = served.arch
+    capacity = served.capacity
+    budget = served.memory_budget
+    latency = steady_latency(served, plan.prompt_tokens, plan.output_tokens, plan.concurrency)
+    rec = recommend(
+        served,
+        plan.prompt_tokens,
+        plan.output_tokens,
+        plan.arrival_rate,
+        plan.ttft_slo_s,
+        plan.tpot_slo_s,
+        plan.kv_margin,
+    )
+    kv_budget = served.kv_budget_bytes
+    weights_fit = budget is None or (
+        served.weights_bytes < budget.total_bytes * budget.utilization
+    )
+    fits = bool(weights_fit and capacity is not None and capacity.fits_one_request)
+    result: dict[str, Any] = {
+        "model": arch.name,
+        "model_type": arch.model_type,
+        "gpu": served.gpu.name if served.gpu else None,
+        "tp": served.deployment.tp,
+        "weight_precision": served.weight_precision.label,
+        "kv_cache_element_bytes": served.kv_element_bytes,
+        "block_size": served.deployment.block_size,
+        "max_model_len": served.max_model_len,
+        "max_num_batched_tokens": served.max_num_batched_tokens,
+        "params_total": arch.params_total(),
+        "params_active": arch.params_active(),
+        "weights_bytes": served.weights_bytes,
+        "kv_bytes_per_token": round(served.kv_bytes_per_token),
+        "sequence_tokens": plan.sequence_tokens,
+        "kv_bytes_per_sequence": round(served.kv_bytes_per_sequence(plan.sequence_tokens)),
+        "kv_layout": served.layout.describe(),
+        "kv_budget_bytes": kv_budget,
+        "kv_budget_source": "given" if served.deployment.available_kv_bytes else (
+            "estimated" if budget else None),
+        "activation_peak_bytes": budget.activation_bytes if budget else None,
+        "non_torch_bytes": budget.non_torch_bytes if budget else None,
+        "num_gpu_blocks": capacity.num_blocks if capacity else None,
+        "bytes_per_block": capacity.bytes_per_block if capacity else None,
+        "blocks_per_max_len_request": capacity.blocks_per_request if capacity else None,
+        "kv_capacity_tokens": capacity.kv_capacity_tokens if capacity else None,
+        "max_concurrency": round(capacity.max_concurrency, 4) if capacity else None,
+        "prompt_tokens": plan.prompt_tokens,
+        "output_tokens": plan.output_tokens,
+        "concurrency": plan.concurrency,
+        "ttft_s": latency.ttft_s if latency else None,
+        "tpot_s": latency.tpot_s if latency else None,
+        "e2e_s": latency.e2e_s if latency else None,
+        "prefill_bound": latency.prefill_bound if latency else None,
+        "decode_bound": latency.decode_bound if latency else None,
+        "efficiency": served.efficiency.as_dict(),
+        "fits": fits,
+        "recommendation": {
+            "max_num_seqs": rec.max_num_seqs,
+            "limited_by": rec.limited_by,
+            "kv_margin": plan.kv_margin,
+            "arrival_rate": plan.arrival_rate,
+            "concurrency_needed": rec.concurrency_needed,
+            "replicas": rec.replicas,
+            "gpu_memory_utilization": served.deployment.gpu_memory_utilization,
+            "ttft_s_at_max": rec.latency_at_max.ttft_s if rec.latency_at_max else None,
+            "tpot_s_at_max": rec.latency_at_max.tpot_s if rec.latency_at_max else None,
+        },
+    }
+    if plan.chain:
+        estimate = chain(served, plan.chain, plan.prefix_cache, plan.concurrency)
+        result["chain"] = None if estimate is None else {
+            "prefix_cache": plan.prefix_cache,
+            "total_s": estimate.total_s,
+            "prefill_tokens": estimate.prefill_tokens,
+            "calls": [
+                {"input_tokens": c.call.input_tokens, "output_tokens": c.call.output_tokens,
+                 "cached_tokens": c.cached_tokens, "ttft_s": c.ttft_s, "decode_s": c.decode_s}
+                for c in estimate.calls
+            ],
+        }
+    return result
+
+
+def _gib(value: float | None) -> str:
+    return "-" if value is None else f"{value / GIB:,.2f} GiB"
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "- (needs a GPU)"
+    return f"{value * 1000:,.1f} ms" if value < 1 else f"{value:,.2f} s"
+
+
+def _count(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
+
+
+def _indent(text: str) -> str:
+    return "\n".join("  " + line if line else line for line in text.splitlines())
+
+
+def format_report(result: dict[str, Any]) -> str:
+    head = (
+        f"{result['model']} ({result['model_type']}) on "
+        f"{result['gpu'] or 'no GPU given'} x{result['tp']}, weights {result['weight_precision']},"
+        f" KV {result['kv_cache_element_bytes']} B/element, block {result['block_size']} tokens"
+    )
+    params = (f"{result['params_total'] / 1e9:,.2f} B / {result['params_active'] / 1e9:,.2f} B")
+    model_rows = [
+        ["parameters (total / active)", params],
+        ["weights per GPU", _gib(result["weights_bytes"])],
+        ["KV per token (all layers)", f"{result['kv_bytes_per_token']:,} B"],
+        [f"KV per sequence of {result['sequence_tokens']:,} tokens",
+         _gib(result["kv_bytes_per_sequence"])],
+    ]
+    model_rows += [["KV cache group", line] for line in result["kv_layout"]]
+    memory_rows = [
+        ["KV budget per GPU", f"{_gib(result['kv_budget_bytes'])} ({result['kv_budget_source']})"
+         if result["kv_budget_bytes"] is not None else "- (give --gpu or --available-kv-gib)"],
+    ]
+    if result["activation_peak_bytes"] is not None:
+        memory_rows.insert(0, ["activation peak + non-torch",
+                               f"{_gib(result['activation_peak_bytes'])} + "
+                               f"{_gib(result['non_torch_bytes'])}"])
+    memory_rows += [
+        ["KV cache blocks", f"{_count(result['num_gpu_blocks'])} x "
+                            f"{_count(result['bytes_per_block'])} B"],
+        ["KV cache size (vLLM's log)", f"{_count(result['kv_capacity_tokens'])} tokens"],
+        [f"max concurrency @ {result['max_model_len']:,} tokens",
+         "-" if result["max_concurrency"] is None else f"{result['max_concurrency']:.2f}x"],
+        ["fits", "yes" if result["fits"] else "NO"],
+    ]
+    latency_rows = [
+        ["TTFT", f"{_ms(result['ttft_s'])} ({result['prefill_bound'] or '-'}-bound)"],
+        ["TPOT", f"{_ms(result['tpot_s'])} ({result['decode_bound'] or '-'}-bound)"],
+        ["E2E = TTFT + output x TPOT", _ms(result["e2e_s"])],
+    ]
+    rec = result["recommendation"]
+    plan_rows = [
+        ["recommended --max-num-seqs", f"{rec['max_num_seqs']} (limited by {rec['limited_by']})"],
+    ]
+    if rec["concurrency_needed"] is not None:
+        plan_rows.append([f"in flight at {rec['arrival_rate']:g} req/s (Little's law)",
+                          f"{rec['concurrency_needed']:,.1f}"])
+        plan_rows.append(["replicas needed", str(rec["replicas"])])
+    parts = [
+        head,
+        "",
+        "Model",
+        _indent(render(model_rows)),
+        "",
+        "Memory per GPU",
+        _indent(render(memory_rows)),
+        "",
+        f"Latency: {result['prompt_tokens']:,} prompt + {result['output_tokens']:,} output "
+        f"tokens, {result['concurrency']} running",
+        _indent(render(latency_rows)),
+        "",
+        "Plan",
+        _indent(render(plan_rows)),
+    ]
+    chain_result = result.get("chain")
+    if chain_result:
+        rows = [[str(i + 1), f"{c['input_tokens']:,}", f"{c['output_tokens']:,}",
+                 f"{c['cached_tokens']:,}", _ms(c["ttft_s"]), _ms(c["decode_s"])]
+                for i, c in enumerate(chain_result["calls"])]
+        parts += ["", f"Chain (prefix cache {'on' if chain_result['prefix_cache'] else 'off'}): "
+                      f"total {_ms(chain_result['total_s'])}",
+                  _indent(render(rows, ["call", "input", "output", "cached", "TTFT", "decode"]))]
+    return "\n".join(parts)
+
+
+def vllm_args(result: dict[str, Any], model: str) -> str:
+    rec = result["recommendation"]
+    args = [
+        f"--model {model}",
+        f"--tensor-parallel-size {result['tp']}",
+        f"--max-model-len {result['max_model_len']}",
+        f"--max-num-seqs {rec['max_num_seqs']}",
+        f"--gpu-memory-utilization {rec['gpu_memory_utilization']}",
+        f"--block-size {result['block_size']}",
+    ]
+    return " \\\n  ".join(["vllm serve", *args])
+
+
+def helm_values(result: dict[str, Any], model: str) -> str:
+    rec = result["recommendation"]
+    lines = [
+        "# Helm values for the kvgate chart, from `kvgate plan`",
+        "model:",
+        f"  config: {json.dumps(model)}",
+        f"  maxModelLen: {result['max_model_len']}",
+        "vllm:",
+        "  args:",
+        f"    - --tensor-parallel-size={result['tp']}",
+        f"    - --max-model-len={result['max_model_len']}",
+        f"    - --max-num-seqs={rec['max_num_seqs']}",
+        f"    - --gpu-memory-utilization={rec['gpu_memory_utilization']}",
+        "kvgate:",
+        f"  gpu: {json.dumps(result['gpu'] or '')}",
+        f"replicaCount: {rec['replicas'] or 1}",
+    ]
+    if rec["replicas"]:
+        lines += [
+            "autoscaling:",
+            "  enabled: true",
+            f"  minReplicas: {max(1, math.ceil(rec['replicas'] / 2))}",
+            f"  maxReplicas: {rec['replicas'] * 2}",
+        ]
+    return "\n".join(lines)
+
+
+def run(argv: Sequence[str], prog: str = "kvgate plan") -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        result = compute_plan(plan_input(args))
+    except ModelError as exc:
+        parser.error(str(exc))
+    except ValueError as exc:  # e.g. a calibration with out-of-range factors
+        parser.error(str(exc))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    elif args.emit == "vllm-args":
+        print(vllm_args(result, args.model))
+    elif args.emit == "helm-values":
+        print(helm_values(result, args.model))
+    else:
+        print(format_report(result))
+    return 0

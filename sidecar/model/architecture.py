@@ -1,0 +1,447 @@
+"""A typed description of a decoder-only model: layers of attention and MLP blocks.
+
+Nothing here knows Hugging Face key names (that is `hf_config`). Each block answers
+how many parameters it has, how they shard under tensor parallelism, the FLOPs it
+spends per token and the KV cache spec it needs, so a new layer kind touches one
+class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Protocol
+
+from sidecar.model.kv_spec import (
+    CompressedKV,
+    FullAttentionKV,
+    IndexerKV,
+    KVSpec,
+    MlaKV,
+    SlidingWindowKV,
+    StateKV,
+)
+
+
+class Role(StrEnum):
+    """What a parameter is for: decides its precision and how it shards over TP."""
+
+    EMBEDDING = "embedding"
+    LM_HEAD = "lm_head"
+    ATTENTION = "attention"
+    MLP = "mlp"
+    EXPERTS = "experts"
+    SHARED_EXPERTS = "shared_experts"
+    ROUTER = "router"
+    NORM = "norm"
+    VISION = "vision"
+
+
+ParamMap = dict[Role, float]
+
+_VOCAB_PADDING = 64
+
+
+def add_params(*maps: Mapping[Role, float]) -> ParamMap:
+    total: ParamMap = {}
+    for one in maps:
+        for role, count in one.items():
+            total[role] = total.get(role, 0.0) + count
+    return total
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
+    """KV heads each TP rank stores: split when tp <= heads, replicated beyond."""
+    return max(1, num_kv_heads // tp)
+
+
+class Mixer(Protocol):
+    """The token-mixing half of a layer (attention or a state-space mixer)."""
+
+    def params(self, hidden: int) -> ParamMap: ...
+
+    def params_per_rank(self, hidden: int, tp: int) -> ParamMap: ...
+
+    def kv_specs(self, element_bytes: int, tp: int, *, fp8_cache: bool) -> list[KVSpec]: ...
+
+    def context_flops_per_token(self, context_tokens: int) -> float:
+        """FLOPs one new token spends attending to `context_tokens` cached tokens."""
+        ...
+
+
+@dataclass(frozen=True)
+class GqaAttention:
+    """Multi-head attention with grouped KV heads (MHA, GQA, MQA), optionally windowed."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    window: int | None = None
+    qkv_bias: bool = False
+    o_bias: bool = False
+    shared_kv: bool = False  # K = V projection (Gemma 4 global layers)
+
+    def params(self, hidden: int) -> ParamMap:
+        q = hidden * self.num_heads * self.head_dim
+        k = hidden * self.num_kv_heads * self.head_dim
+        v = 0 if self.shared_kv else hidden * self.num_kv_heads * self.v_head_dim
+        o = self.num_heads * self.v_head_dim * hidden
+        bias = 0
+        if self.qkv_bias:
+            bias += self.num_heads * self.head_dim + self.num_kv_heads * (
+                self.head_dim + (0 if self.shared_kv else self.v_head_dim)
+            )
+        if self.o_bias:
+            bias += hidden
+        return {Role.ATTENTION: float(q + k + v + o + bias)}
+
+    def params_per_rank(self, hidden: int, tp: int) -> ParamMap:
+        kv_rank = kv_heads_per_rank(self.num_kv_heads, tp)
+        q_and_o = hidden * self.num_heads * (self.head_dim + self.v_head_dim) / tp
+        k = hidden * kv_rank * self.head_dim
+        v = 0 if self.shared_kv else hidden * kv_rank * self.v_head_dim
+        return {Role.ATTENTION: q_and_o + k + v}
+
+    def kv_specs(self, element_bytes: int, tp: int, *, fp8_cache: bool) -> list[KVSpec]:
+        heads = kv_heads_per_rank(self.num_kv_heads, tp)
+        if self.window is not None:
+            return [
+                SlidingWindowKV(heads, self.head_dim, self.v_head_dim, element_bytes, self.window)
+            ]
+        return [FullAttentionKV(heads, self.head_dim, self.v_head_dim, element_bytes)]
+
+    def context_flops_per_token(self, context_tokens: int) -> float:
+        attended = context_tokens if self.window is None else min(context_tokens, self.window)
+        # QK^T and AV: 2 FLOPs per multiply-add each.
+        return 2.0 * self.num_heads * (self.head_dim + self.v_head_dim) * attended
+
+
+@dataclass(frozen=True)
+class MlaAttention:
+    """Multi-head latent attention (DeepSeek V2/V3/R1, Kimi K2), optionally with a
+    DSA indexer (DeepSeek V3.2, GLM-5)."""
+
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_head_dim: int | None = None
+    index_n_heads: int = 0
+
+    @property
+    def _qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def _replicated(self, hidden: int) -> float:
+        q_a = hidden * self.q_lora_rank + self.q_lora_rank if self.q_lora_rank else 0
+        kv_a = hidden * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+        indexer = 0
+        if self.index_head_dim:
+            q_in = self.q_lora_rank or hidden
+            indexer = (
+                q_in * self.index_n_heads * self.index_head_dim
+                + hidden * self.index_head_dim
+                + hidden * self.index_n_heads
+            )
+        return float(q_a + kv_a + indexer)
+
+    def _split(self, hidden: int) -> float:
+        q_in = self.q_lora_rank or hidden
+        q_b = q_in * self.num_heads * self._qk_head_dim
+        kv_b = self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+        o = self.num_heads * self.v_head_dim * hidden
+        return float(q_b + kv_b + o)
+
+    def params(self, hidden: int) -> ParamMap:
+        return {Role.ATTENTION: self._replicated(hidden) + self._split(hidden)}
+
+    def params_per_rank(self, hidden: int, tp: int) -> ParamMap:
+        return {Role.ATTENTION: self._replicated(hidden) + self._split(hidden) / tp}
+
+    def kv_specs(self, element_bytes: int, tp: int, *, fp8_cache: bool) -> list[KVSpec]:
+        sparse = self.index_head_dim is not None
+        specs: list[KVSpec] = [
+            MlaKV(
+                self.kv_lora_rank,
+                self.qk_rope_head_dim,
+                element_bytes,
+                ds_fp8_layout=fp8_cache and sparse,
+            )
+        ]
+        if self.index_head_dim is not None:
+            specs.append(IndexerKV(self.index_head_dim))
+        return specs
+
+    def context_flops_per_token(self, context_tokens: int) -> float:
+        # Absorbed MLA decode attends in the latent space: QK over (latent + rope),
+        # AV over the latent, for every head.
+        return 2.0 * self.num_heads * (2 * self.kv_lora_rank + self.qk_rope_head_dim) * (
+            context_tokens
+        )
+
+
+@dataclass(frozen=True)
+class CompressedAttention:
+    """DeepSeek-V4 style attention with cross-token KV compression (shared K = V)."""
+
+    num_heads: int
+    head_dim: int
+    ratio: int
+    window: int
+    index_head_dim: int
+    q_lora_rank: int | None = None
+
+    def params(self, hidden: int) -> ParamMap:
+        q_in = self.q_lora_rank or hidden
+        q = (hidden * self.q_lora_rank if self.q_lora_rank else 0) + (
+            q_in * self.num_heads * self.head_dim
+        )
+        kv = hidden * self.head_dim
+        o = self.num_heads * self.head_dim * hidden
+        return {Role.ATTENTION: float(q + kv + o)}
+
+    def params_per_rank(self, hidden: int, tp: int) -> ParamMap:
+        replicated = hidden * self.head_dim + (
+            hidden * self.q_lora_rank if self.q_lora_rank else 0
+        )
+        split = (self.q_lora_rank or hidden) * self.num_heads * self.head_dim + (
+            self.num_heads * self.head_dim * hidden
+        )
+        return {Role.ATTENTION: replicated + split / tp}
+
+    def kv_specs(self, element_bytes: int, tp: int, *, fp8_cache: bool) -> list[KVSpec]:
+        index_bytes = 0.5 if fp8_cache else float(element_bytes)
+        return [
+            CompressedKV(
+                self.ratio,
+                self.window,
+                self.head_dim,
+                self.index_head_dim if self.ratio == 4 else 0,
+                float(element_bytes),
+                index_bytes,
+            )
+        ]
+
+    def context_flops_per_token(self, context_tokens: int) -> float:
+        attended = min(context_tokens, self.window) + (
+            context_tokens // self.ratio if self.ratio else 0
+        )
+        return 4.0 * self.num_heads * self.head_dim * attended
+
+
+@dataclass(frozen=True)
+class StateMixer:
+    """A recurrent mixer with constant per-sequence state (Mamba-2, gated delta net)."""
+
+    mixer_params: int
+    state_elements: int  # conv + SSM state elements per sequence, whole model width
+    split_fraction: float = 1.0  # share of params and state that shards over TP
+
+    def params(self, hidden: int) -> ParamMap:
+        return {Role.ATTENTION: float(self.mixer_params)}
+
+    def params_per_rank(self, hidden: int, tp: int) -> ParamMap:
+        split = self.mixer_params * self.split_fraction
+        return {Role.ATTENTION: self.mixer_params - split + split / tp}
+
+    def kv_specs(self, element_bytes: int, tp: int, *, fp8_cache: bool) -> list[KVSpec]:
+        split = self.state_elements * self.split_fraction
+        elements = self.state_elements - split + split / tp
+        return [StateKV(int(elements * element_bytes))]
+
+    def context_flops_per_token(self, context_tokens: int) -> float:
+        return 0.0
+
+
+@dataclass(frozen=True)
+class NoMixer:
+    """A layer without token mixing (Nemotron-H's MLP-only layers): no KV cache."""
+
+    def params(self, hidden: int) -> ParamMap:
+        return {}
+
+    def params_per_rank(self, hidden: int, tp: int) -> ParamMap:
+        return {}
+
+    def kv_specs(self, element_bytes: int, tp: int, *, fp8_cache: bool) -> list[KVSpec]:
+        return []
+
+    def context_flops_per_token(self, context_tokens: int) -> float:
+        return 0.0
+
+
+@dataclass(frozen=True)
+class DenseMlp:
+    intermediate_size: int
+    gated: bool = True  # SwiGLU/GeGLU: gate, up and down projections
+
+    def params(self, hidden: int) -> ParamMap:
+        matrices = 3 if self.gated else 2
+        return {Role.MLP: float(matrices * hidden * self.intermediate_size)}
+
+    def params_per_rank(self, hidden: int, tp: int) -> ParamMap:
+        return {role: count / tp for role, count in self.params(hidden).items()}
+
+    def active_params(self, hidden: int) -> ParamMap:
+        return self.params(hidden)
+
+    def weight_params_read(self, hidden: int, tokens: int) -> ParamMap:
+        return self.params(hidden)
+
+
+@dataclass(frozen=True)
+class MoeMlp:
+    """Routed experts (each token uses `top_k` of `num_experts`) plus shared experts."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    shared_intermediate_size: int = 0
+    gated: bool = True
+    shared_gate: bool = False  # a scalar gate on the shared expert (Qwen2-MoE)
+    dense_intermediate_size: int = 0  # a dense MLP beside the experts (Gemma 4, Arctic)
+
+    def _expert(self, hidden: int, intermediate: int) -> float:
+        return float((3 if self.gated else 2) * hidden * intermediate)
+
+    def _fixed(self, hidden: int) -> ParamMap:
+        fixed: ParamMap = {
+            Role.ROUTER: float(hidden * self.num_experts + (hidden if self.shared_gate else 0))
+        }
+        if self.shared_intermediate_size:
+            fixed[Role.SHARED_EXPERTS] = self._expert(hidden, self.shared_intermediate_size)
+        if self.dense_intermediate_size:
+            fixed[Role.MLP] = self._expert(hidden, self.dense_intermediate_size)
+        return fixed
+
+    def params(self, hidden: int) -> ParamMap:
+        routed = self.num_experts * self._expert(hidden, self.expert_intermediate_size)
+        return add_params({Role.EXPERTS: routed}, self._fixed(hidden))
+
+    def params_per_rank(self, hidden: int, tp: int) -> ParamMap:
+        per_rank = {}
+        for role, count in self.params(hidden).items():
+            per_rank[role] = count if role is Role.ROUTER else count / tp
+        return per_rank
+
+    def active_params(self, hidden: int) -> ParamMap:
+        routed = self.top_k * self._expert(hidden, self.expert_intermediate_size)
+        return add_params({Role.EXPERTS: routed}, self._fixed(hidden))
+
+    def experts_touched(self, tokens: int) -> float:
+        """Expected distinct experts a batch of `tokens` tokens routes to (uniform routing)."""
+        if tokens <= 0:
+            return 0.0
+        miss = (1.0 - self.top_k / self.num_experts) ** tokens
+        return self.num_experts * (1.0 - miss)
+
+    def weight_params_read(self, hidden: int, tokens: int) -> ParamMap:
+        """Parameters a forward pass over `tokens` tokens reads from memory."""
+        routed = self.experts_touched(tokens) * self._expert(hidden, self.expert_intermediate_size)
+        return add_params({Role.EXPERTS: routed}, self._fixed(hidden))
+
+
+Mlp = DenseMlp | MoeMlp
+
+
+@dataclass(frozen=True)
+class Layer:
+    mixer: GqaAttention | MlaAttention | CompressedAttention | StateMixer | NoMixer
+    mlp: Mlp
+
+
+@dataclass(frozen=True)
+class ModelArchitecture:
+    """What the model is, independent of how it is deployed."""
+
+    name: str
+    model_type: str
+    hidden_size: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    layers: tuple[Layer, ...]
+    max_position_embeddings: int
+    torch_dtype: str | None
+    quantization: Mapping[str, object] | None = None
+    vision_params: int = 0
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(isinstance(layer.mlp, MoeMlp) for layer in self.layers)
+
+    def _embedding_params(self) -> ParamMap:
+        embed = float(self.vocab_size * self.hidden_size)
+        params: ParamMap = {Role.EMBEDDING: embed}
+        if not self.tie_word_embeddings:
+            params[Role.LM_HEAD] = embed
+        # Two norms per layer and a final norm.
+        params[Role.NORM] = float((2 * self.num_layers + 1) * self.hidden_size)
+        if self.vision_params:
+            params[Role.VISION] = float(self.vision_params)
+        return params
+
+    def params_by_role(self) -> ParamMap:
+        return add_params(
+            self._embedding_params(),
+            *(layer.mixer.params(self.hidden_size) for layer in self.layers),
+            *(layer.mlp.params(self.hidden_size) for layer in self.layers),
+        )
+
+    def active_params_by_role(self) -> ParamMap:
+        return add_params(
+            self._embedding_params(),
+            *(layer.mixer.params(self.hidden_size) for layer in self.layers),
+            *(layer.mlp.active_params(self.hidden_size) for layer in self.layers),
+        )
+
+    def params_total(self) -> int:
+        return round(sum(self.params_by_role().values()))
+
+    def params_active(self) -> int:
+        return round(sum(self.active_params_by_role().values()))
+
+    def params_per_rank_by_role(self, tp: int) -> ParamMap:
+        """Parameters one TP rank loads: vocab and heads split, norms/routers replicated.
+
+        vLLM pads the vocabulary to a multiple of 64 before splitting it over ranks.
+        """
+        embedding = self._embedding_params()
+        padded_vocab = -(-self.vocab_size // _VOCAB_PADDING) * _VOCAB_PADDING
+        vocab_rows = -(-padded_vocab // tp)
+        per_rank: ParamMap = {}
+        for role, count in embedding.items():
+            if role in (Role.EMBEDDING, Role.LM_HEAD):
+                per_rank[role] = float(vocab_rows * self.hidden_size)
+            else:
+                per_rank[role] = count
+        return add_params(
+            per_rank,
+            *(layer.mixer.params_per_rank(self.hidden_size, tp) for layer in self.layers),
+            *(layer.mlp.params_per_rank(self.hidden_size, tp) for layer in self.layers),
+        )
+
+    def kv_specs(self, element_bytes: int, tp: int, *, fp8_cache: bool) -> list[KVSpec]:
+        """One spec per cache-holding layer on one TP rank, in layer order."""
+        specs: list[KVSpec] = []
+        for layer in self.layers:
+            specs.extend(layer.mixer.kv_specs(element_bytes, tp, fp8_cache=fp8_cache))
+        return specs
+
+    def linear_params_read(self, tokens: int) -> ParamMap:
+        """Layer weights (no embeddings) a forward pass over `tokens` tokens reads."""
+        return add_params(
+            *(layer.mixer.params(self.hidden_size) for layer in self.layers),
+            *(layer.mlp.weight_params_read(self.hidden_size, tokens) for layer in self.layers),
+        )
+
+    def context_flops_per_token(self, context_tokens: int) -> float:
+        return sum(layer.mixer.context_flops_per_token(context_tokens) for layer in self.layers)

@@ -1,0 +1,190 @@
+"""vLLM-exact KV cache capacity: layer groups, blocks, tokens and concurrency.
+
+This follows vLLM's v1 KV cache manager (`vllm/v1/core/kv_cache_utils.py`):
+
+1. Every cache-holding layer has a spec (`kv_spec`). If all specs are equal, all
+   layers form one group; if they differ but need the same blocks per request
+   (full attention with different head sizes, MLA plus its indexer), they form one
+   group whose page is the sum of their pages.
+2. Otherwise (hybrid sliding/full, Mamba hybrids) pages are unified: a smaller page
+   gets a larger block size when it divides the largest page, else it is padded.
+   Layers are bucketed by spec; the group size is the smallest bucket (or the
+   largest, when it is under 1.5x the smallest); each bucket splits into groups of
+   that many layers, the last padded.
+3. One block of the shared pool holds one page for every layer of a group:
+   `bytes_per_block = max over groups of the sum of their layers' pages`, and
+   `num_blocks = available_bytes // bytes_per_block` (or `--num-gpu-blocks-override`).
+4. A request at `max_model_len` needs, in every group, the blocks the group's spec
+   budgets (`cdiv(max_model_len, block_size)` for full attention; the window cap for
+   sliding layers); the groups draw from one pool, so the blocks add up.
+   `max_concurrency = num_blocks / blocks_per_request` and the start-up log's
+   token figure is `int(max_concurrency x max_model_len)`.
+   Worked example: 64 blocks of 32 tokens, one full-attention group,
+   max_model_len 1024: 64 / 32 = 2.00x and 2 x 1024 = 2,048 tokens.
+
+The pool also keeps one null block that is never handed to a request; `usable_blocks`
+leaves it out (the admission ledger uses that).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sidecar.model.kv_spec import CompositeKV, KVSpec, StateKV
+from sidecar.model.units import cdiv, round_up
+
+# Attention kernels need the block size raised for Mamba hybrids in multiples of this.
+_HYBRID_BLOCK_ALIGNMENT = 16
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """Layers sharing one block table: `num_layers` layers of `spec` (padding included)."""
+
+    spec: KVSpec
+    block_size: int
+    num_layers: int
+
+    @property
+    def page_bytes(self) -> int:
+        return self.spec.page_bytes(self.block_size)
+
+    def blocks_held(self, tokens: int, in_flight_tokens: int) -> int:
+        return self.spec.blocks_held(tokens, self.block_size, in_flight_tokens)
+
+    def budgeted_blocks(self, max_model_len: int, in_flight_tokens: int) -> int:
+        return self.spec.budgeted_blocks(max_model_len, self.block_size, in_flight_tokens)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How vLLM lays the model's KV cache out in blocks."""
+
+    groups: tuple[KVGroup, ...]
+    bytes_per_block: int
+
+    @property
+    def attention_free(self) -> bool:
+        return not self.groups
+
+    def blocks_for_request(self, tokens: int, in_flight_tokens: int) -> int:
+        """Blocks one sequence of `tokens` tokens holds across all groups."""
+        return sum(group.blocks_held(tokens, in_flight_tokens) for group in self.groups)
+
+    def blocks_budgeted_per_request(self, max_model_len: int, in_flight_tokens: int) -> int:
+        return sum(group.budgeted_blocks(max_model_len, in_flight_tokens) for group in self.groups)
+
+    def describe(self) -> list[str]:
+        return [
+            f"{group.num_layers} x {group.spec.kind} layers, block {group.block_size} tokens, "
+            f"page {group.page_bytes:,} B"
+            for group in self.groups
+        ]
+
+
+def build_layout(specs: Sequence[KVSpec], block_size: int) -> KVLayout:
+    """Group per-layer specs as vLLM does and size one block of the shared pool."""
+    if not specs:
+        return KVLayout((), 0)
+    first = specs[0]
+    if all(spec == first for spec in specs):
+        group = KVGroup(first, block_size, len(specs))
+        return KVLayout((group,), group.page_bytes * len(specs))
+    if len({spec.slot_class for spec in specs}) == 1 and not any(
+        isinstance(spec, StateKV) for spec in specs
+    ):
+        group = KVGroup(CompositeKV(tuple(specs)), block_size, len(specs))
+        return KVLayout((group,), group.page_bytes)
+    return _hybrid_layout(specs, block_size)
+
+
+def _hybrid_layout(specs: Sequence[KVSpec], block_size: int) -> KVLayout:
+    attention_block = _attention_block_for_state(specs, block_size)
+    sized = [(spec, block_size if isinstance(spec, StateKV) else attention_block)
+             for spec in specs]
+    max_page = max(spec.page_bytes(size) for spec, size in sized)
+    unified: list[tuple[KVSpec, int]] = []
+    for spec, size in sized:
+        page = spec.page_bytes(size)
+        if page == max_page:
+            unified.append((spec, size))
+        elif not isinstance(spec, StateKV) and max_page % page == 0:
+            unified.append((spec, size * (max_page // page)))
+        else:
+            unified.append((spec.with_padded_page(max_page), size))
+    buckets: dict[tuple[KVSpec, int], int] = {}
+    for key in unified:
+        buckets[key] = buckets.get(key, 0) + 1
+    smallest, largest = min(buckets.values()), max(buckets.values())
+    group_size = largest if largest < smallest * 1.5 else smallest
+    groups: list[KVGroup] = []
+    for (spec, size), count in buckets.items():
+        groups.extend(KVGroup(spec, size, group_size) for _ in range(cdiv(count, group_size)))
+    return KVLayout(tuple(groups), group_size * max_page)
+
+
+def _attention_block_for_state(specs: Sequence[KVSpec], block_size: int) -> int:
+    """Mamba hybrids: vLLM raises the attention block size until an attention page
+    is at least as large as the state page."""
+    states = [spec for spec in specs if isinstance(spec, StateKV)]
+    attention = [spec for spec in specs if not isinstance(spec, StateKV)]
+    if not states or not attention:
+        return block_size
+    state_page = max(spec.state_bytes for spec in states)
+    per_token = max(int(spec.token_bytes) for spec in attention) or 1
+    needed = round_up(cdiv(state_page, per_token), _HYBRID_BLOCK_ALIGNMENT)
+    return max(block_size, needed)
+
+
+@dataclass(frozen=True)
+class KVCapacity:
+    """What vLLM logs at start-up, reproduced."""
+
+    num_blocks: int
+    bytes_per_block: int
+    blocks_per_request: int
+    max_model_len: int
+
+    @property
+    def usable_blocks(self) -> int:
+        """Blocks a request can get: the pool keeps one null block."""
+        return max(0, self.num_blocks - 1)
+
+    @property
+    def max_concurrency(self) -> float:
+        if self.blocks_per_request == 0:
+            return float("inf")
+        return self.num_blocks / self.blocks_per_request
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """`GPU KV cache size: N tokens` (vLLM: int(max_concurrency x max_model_len))."""
+        if self.blocks_per_request == 0:
+            return 0
+        return int(self.max_concurrency * self.max_model_len)
+
+    @property
+    def fits_one_request(self) -> bool:
+        """vLLM refuses to start unless one max_model_len request fits (null block aside)."""
+        return self.usable_blocks >= self.blocks_per_request
+
+
+def kv_capacity(
+    layout: KVLayout,
+    available_bytes: int,
+    max_model_len: int,
+    in_flight_tokens: int,
+    num_blocks_override: int | None = None,
+) -> KVCapacity:
+    if layout.attention_free:
+        return KVCapacity(1, 0, 0, max_model_len)
+    num_blocks = max(0, available_bytes) // layout.bytes_per_block
+    if num_blocks_override is not None:
+        num_blocks = num_blocks_override
+    return KVCapacity(
+        num_blocks=num_blocks,
+        bytes_per_block=layout.bytes_per_block,
+        blocks_per_request=layout.blocks_budgeted_per_request(max_model_len, in_flight_tokens),
+        max_model_len=max_model_len,
+    )

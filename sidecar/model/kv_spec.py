@@ -1,0 +1,364 @@
+"""KV cache format of one layer on one GPU: one small class per layer kind.
+
+Each spec answers the same few questions, so callers never switch on the kind:
+
+- `token_bytes`: bytes one token occupies in this layer while it is cached;
+- `page_bytes(block_size)`: bytes of one block (page) of `block_size` tokens;
+- `sequence_bytes(tokens)`: bytes one sequence of `tokens` tokens holds, unrounded;
+- `blocks_held(tokens, block_size, in_flight_tokens)`: blocks vLLM's allocator holds
+  for one sequence of `tokens` tokens (block-rounded, window-capped);
+- `slot_class`: layers with the same slot class need the same number of blocks per
+  request, so vLLM can put them in one KV cache group.
+
+Specs are per GPU: the caller has already divided KV heads by tensor parallelism
+where the layer kind splits across ranks.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from sidecar.model.units import cdiv
+
+
+@dataclass(frozen=True)
+class KVSpec(ABC):
+    @property
+    @abstractmethod
+    def kind(self) -> str:
+        """A short label: full, sliding, mla, indexer, compressed, state."""
+
+    @property
+    @abstractmethod
+    def token_bytes(self) -> float:
+        """Bytes one cached token costs in this layer (0 for constant state)."""
+
+    @abstractmethod
+    def page_bytes(self, block_size: int) -> int:
+        """Bytes of one block holding `block_size` tokens."""
+
+    @abstractmethod
+    def sequence_bytes(self, tokens: int) -> float:
+        """Bytes one sequence of `tokens` tokens holds in this layer, not block-rounded."""
+
+    @abstractmethod
+    def blocks_held(self, tokens: int, block_size: int, in_flight_tokens: int) -> int:
+        """Blocks one sequence of `tokens` tokens holds at most in this layer's group."""
+
+    @property
+    @abstractmethod
+    def slot_class(self) -> Hashable:
+        """Layers with equal slot classes need the same blocks per request."""
+
+    def budgeted_blocks(self, max_model_len: int, block_size: int, in_flight_tokens: int) -> int:
+        """Blocks vLLM budgets per request at start-up (max_memory_usage_bytes / page).
+
+        Equal to `blocks_held(max_model_len, ...)` except where vLLM budgets a cap
+        that a short sequence never reaches (sliding windows).
+        """
+        return self.blocks_held(max_model_len, block_size, in_flight_tokens)
+
+    def with_padded_page(self, page_bytes: int) -> KVSpec:
+        """This spec with its page padded to `page_bytes` (hybrid page unification)."""
+        return PaddedKV(self, page_bytes)
+
+
+@dataclass(frozen=True)
+class FullAttentionKV(KVSpec):
+    """Full causal attention (MHA, GQA, MQA): K and V for every token of the sequence.
+
+    page = block_size x kv_heads x (head_size_k + head_size_v) x element_bytes.
+    """
+
+    num_kv_heads: int
+    head_size_k: int
+    head_size_v: int
+    element_bytes: int
+
+    @property
+    def kind(self) -> str:
+        return "full"
+
+    @property
+    def token_bytes(self) -> float:
+        return float(self.num_kv_heads * (self.head_size_k + self.head_size_v) * self.element_bytes)
+
+    def page_bytes(self, block_size: int) -> int:
+        return block_size * self.num_kv_heads * (self.head_size_k + self.head_size_v) * (
+            self.element_bytes
+        )
+
+    def sequence_bytes(self, tokens: int) -> float:
+        return tokens * self.token_bytes
+
+    def blocks_held(self, tokens: int, block_size: int, in_flight_tokens: int) -> int:
+        return cdiv(tokens, block_size)
+
+    @property
+    def slot_class(self) -> Hashable:
+        return "full"
+
+
+@dataclass(frozen=True)
+class SlidingWindowKV(FullAttentionKV):
+    """Attention over the last `window` tokens only (Mistral, Gemma 2/3 local layers).
+
+    vLLM frees blocks that fall out of the window, so a request holds at most
+    cdiv(min(window - 1 + in_flight_tokens, tokens), block_size) + 1 blocks.
+    Worked example: block 4, window 4: the 4-token window [CDEF] of a 6-token
+    sequence spans two blocks [XXCD][EF], hence the +1.
+    """
+
+    window: int = 0
+
+    @property
+    def kind(self) -> str:
+        return "sliding"
+
+    def sequence_bytes(self, tokens: int) -> float:
+        return min(tokens, self.window) * self.token_bytes
+
+    def window_cap_blocks(self, max_tokens: int, block_size: int, in_flight_tokens: int) -> int:
+        """vLLM's admission cap for a request of up to `max_tokens` tokens."""
+        return cdiv(min(self.window - 1 + in_flight_tokens, max_tokens), block_size) + 1
+
+    def blocks_held(self, tokens: int, block_size: int, in_flight_tokens: int) -> int:
+        return min(
+            cdiv(tokens, block_size),
+            self.window_cap_blocks(tokens, block_size, in_flight_tokens),
+        )
+
+    def budgeted_blocks(self, max_model_len: int, block_size: int, in_flight_tokens: int) -> int:
+        return self.window_cap_blocks(max_model_len, block_size, in_flight_tokens)
+
+    @property
+    def slot_class(self) -> Hashable:
+        return ("sliding", self.window)
+
+
+@dataclass(frozen=True)
+class MlaKV(KVSpec):
+    """Multi-head latent attention (DeepSeek V2/V3/R1): one latent per token per layer.
+
+    The latent has kv_lora_rank + qk_rope_head_dim elements and is the same on every
+    tensor-parallel rank (it is not split).  DeepSeek-R1 in bf16:
+    (512 + 64) x 2 B = 1,152 B per layer, x 61 layers = 70,272 B per token.
+    With an fp8 cache vLLM's `fp8_ds_mla` layout for sparse MLA stores the latent in
+    fp8 with one fp32 scale per 128 elements and the rope part in bf16:
+    512 + 4 x 4 + 64 x 2 = 656 B.
+    """
+
+    kv_lora_rank: int
+    rope_dim: int
+    element_bytes: int
+    ds_fp8_layout: bool = False
+
+    @property
+    def kind(self) -> str:
+        return "mla"
+
+    @property
+    def token_bytes(self) -> float:
+        if self.ds_fp8_layout:
+            return float(self.kv_lora_rank + cdiv(self.kv_lora_rank, 128) * 4 + self.rope_dim * 2)
+        return float((self.kv_lora_rank + self.rope_dim) * self.element_bytes)
+
+    def page_bytes(self, block_size: int) -> int:
+        return block_size * int(self.token_bytes)
+
+    def sequence_bytes(self, tokens: int) -> float:
+        return tokens * self.token_bytes
+
+    def blocks_held(self, tokens: int, block_size: int, in_flight_tokens: int) -> int:
+        return cdiv(tokens, block_size)
+
+    @property
+    def slot_class(self) -> Hashable:
+        return "full"
+
+
+@dataclass(frozen=True)
+class IndexerKV(KVSpec):
+    """The key cache of a sparse-attention indexer (DeepSeek V3.2 / GLM-5 DSA).
+
+    Stored in fp8 with one fp32 scale per 128 elements: index_head_dim 128 gives
+    128 + 4 = 132 B per token per layer.
+    """
+
+    index_head_dim: int
+
+    @property
+    def kind(self) -> str:
+        return "indexer"
+
+    @property
+    def token_bytes(self) -> float:
+        return float(self.index_head_dim + cdiv(self.index_head_dim, 128) * 4)
+
+    def page_bytes(self, block_size: int) -> int:
+        return block_size * int(self.token_bytes)
+
+    def sequence_bytes(self, tokens: int) -> float:
+        return tokens * self.token_bytes
+
+    def blocks_held(self, tokens: int, block_size: int, in_flight_tokens: int) -> int:
+        return cdiv(tokens, block_size)
+
+    @property
+    def slot_class(self) -> Hashable:
+        return "full"
+
+
+@dataclass(frozen=True)
+class CompressedKV(KVSpec):
+    """DeepSeek-V4 cross-token compression: K = V shared (no factor 2).
+
+    A layer keeps an uncompressed window of `window` tokens plus one compressed
+    entry per `ratio` tokens (ratio 0: window only); ratio-4 layers also keep an
+    indexer entry per compressed token.  Per sequence of S tokens:
+    element_bytes x (min(S, W) + S/ratio) x d_kv + index_bytes x (S/ratio) x d_idx.
+    Seed example, c4a at S = 1,048,576 in bf16: 2 x [(128 + 262,144) x 512 +
+    262,144 x 128] = 335,691,776 B per layer.
+    """
+
+    ratio: int
+    window: int
+    latent_dim: int
+    index_dim: int
+    element_bytes: float
+    index_element_bytes: float
+
+    @property
+    def kind(self) -> str:
+        return "compressed" if self.ratio else "window"
+
+    @property
+    def token_bytes(self) -> float:
+        if not self.ratio:
+            return self.latent_dim * self.element_bytes
+        return (
+            self.latent_dim * self.element_bytes + self.index_dim * self.index_element_bytes
+        ) / self.ratio
+
+    def page_bytes(self, block_size: int) -> int:
+        # One page holds the compressed entries of `block_size` tokens.
+        return max(1, int(block_size * self.token_bytes))
+
+    def sequence_bytes(self, tokens: int) -> float:
+        window_bytes = min(tokens, self.window) * self.latent_dim * self.element_bytes
+        if not self.ratio:
+            return window_bytes
+        compressed = tokens / self.ratio
+        return (
+            window_bytes
+            + compressed * self.latent_dim * self.element_bytes
+            + compressed * self.index_dim * self.index_element_bytes
+        )
+
+    def blocks_held(self, tokens: int, block_size: int, in_flight_tokens: int) -> int:
+        window_blocks = cdiv(min(tokens, self.window), block_size) + 1
+        if not self.ratio:
+            return window_blocks
+        return window_blocks + cdiv(tokens, block_size)
+
+    @property
+    def slot_class(self) -> Hashable:
+        return ("compressed", self.ratio, self.window)
+
+
+@dataclass(frozen=True)
+class StateKV(KVSpec):
+    """Constant per-sequence state (Mamba, linear attention): independent of length."""
+
+    state_bytes: int
+
+    @property
+    def kind(self) -> str:
+        return "state"
+
+    @property
+    def token_bytes(self) -> float:
+        return 0.0
+
+    def page_bytes(self, block_size: int) -> int:
+        return self.state_bytes
+
+    def sequence_bytes(self, tokens: int) -> float:
+        return float(self.state_bytes)
+
+    def blocks_held(self, tokens: int, block_size: int, in_flight_tokens: int) -> int:
+        return 1
+
+    @property
+    def slot_class(self) -> Hashable:
+        return "state"
+
+
+@dataclass(frozen=True)
+class PaddedKV(KVSpec):
+    """Another spec whose page is padded to a common size (vLLM hybrid unification)."""
+
+    inner: KVSpec
+    padded_page_bytes: int
+
+    @property
+    def kind(self) -> str:
+        return self.inner.kind
+
+    @property
+    def token_bytes(self) -> float:
+        return self.inner.token_bytes
+
+    def page_bytes(self, block_size: int) -> int:
+        return self.padded_page_bytes
+
+    def sequence_bytes(self, tokens: int) -> float:
+        return self.inner.sequence_bytes(tokens)
+
+    def blocks_held(self, tokens: int, block_size: int, in_flight_tokens: int) -> int:
+        return self.inner.blocks_held(tokens, block_size, in_flight_tokens)
+
+    def budgeted_blocks(self, max_model_len: int, block_size: int, in_flight_tokens: int) -> int:
+        return self.inner.budgeted_blocks(max_model_len, block_size, in_flight_tokens)
+
+    @property
+    def slot_class(self) -> Hashable:
+        return self.inner.slot_class
+
+
+@dataclass(frozen=True)
+class CompositeKV(KVSpec):
+    """Layers of one slot class that share a block table: the page is the sum of
+    their pages (vLLM's UniformTypeKVCacheSpecs, e.g. MLA plus its indexer, or full
+    attention layers with different head sizes)."""
+
+    parts: tuple[KVSpec, ...]
+
+    @property
+    def kind(self) -> str:
+        return "+".join(dict.fromkeys(part.kind for part in self.parts))
+
+    @property
+    def token_bytes(self) -> float:
+        return sum(part.token_bytes for part in self.parts)
+
+    def page_bytes(self, block_size: int) -> int:
+        return sum(part.page_bytes(block_size) for part in self.parts)
+
+    def sequence_bytes(self, tokens: int) -> float:
+        return sum(part.sequence_bytes(tokens) for part in self.parts)
+
+    def blocks_held(self, tokens: int, block_size: int, in_flight_tokens: int) -> int:
+        return max(part.blocks_held(tokens, block_size, in_flight_tokens) for part in self.parts)
+
+    def budgeted_blocks(self, max_model_len: int, block_size: int, in_flight_tokens: int) -> int:
+        return max(
+            part.budgeted_blocks(max_model_len, block_size, in_flight_tokens)
+            for part in self.parts
+        )
+
+    @property
+    def slot_class(self) -> Hashable:
+        return self.parts[0].slot_class

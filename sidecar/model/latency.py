@@ -1,0 +1,226 @@
+"""Time of one engine step by roofline, and TTFT / TPOT built from steps.
+
+One vLLM step runs a batch of tokens: new prompt tokens of prefilling requests
+(with their causal attention over what they have so far) and one token for each
+decoding request (attending to its whole context). Its time is
+
+    max(FLOPs / (eta_compute x peak), bytes / (eta_bandwidth x bandwidth))
+      + tensor-parallel all-reduces + per-layer and per-step overheads
+
+where bytes are the weights streamed once per step (routed experts only in the
+share the batch touches), the KV cache the batch reads and writes, and FLOPs are
+2 x active parameters per token plus attention. The phase is "compute"-bound when
+the FLOP term is the larger one.
+
+The efficiency factors are not per-model constants: their defaults were fitted once
+to the public measurements in the project's test data (see `DEFAULT_EFFICIENCY`),
+and a live sidecar refits them against the server it guards (calibration).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Literal
+
+from sidecar.model.architecture import ModelArchitecture, Role
+from sidecar.model.gpu import Gpu
+from sidecar.model.kv_spec import KVSpec
+from sidecar.model.precision import ComputeRate
+from sidecar.model.weights import WeightFootprint, expert_fraction_read
+
+Bound = Literal["compute", "memory"]
+
+# Per-GPU link used for all-reduce when the catalogue has no NVLink figure (PCIe 4 x16).
+_PCIE_GBPS = 25.0
+
+
+@dataclass(frozen=True)
+class Efficiency:
+    """Achieved fractions of peak and fixed costs; see DEFAULT_EFFICIENCY."""
+
+    compute: float  # fraction of dense peak FLOP/s reached by large matmuls
+    bandwidth: float  # fraction of peak memory bandwidth reached streaming weights/KV
+    per_layer_s: float  # kernel launch and small-op cost per layer per step
+    per_step_s: float  # scheduling, sampling and host work per engine step
+    allreduce_latency_s: float = 8e-6
+
+    def __post_init__(self) -> None:
+        for name in ("compute", "bandwidth"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"efficiency {name} must be in (0, 1], got {value}")
+        for name in ("per_layer_s", "per_step_s", "allreduce_latency_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"efficiency {name} must not be negative")
+
+    def as_dict(self) -> dict[str, float]:
+        return {name: getattr(self, name) for name in _EFFICIENCY_FIELDS}
+
+    @staticmethod
+    def from_mapping(data: Mapping[str, object], base: Efficiency | None = None) -> Efficiency:
+        """Efficiency from a mapping (a saved calibration); missing keys keep `base`."""
+        values = (base or DEFAULT_EFFICIENCY).as_dict()
+        for name in _EFFICIENCY_FIELDS:
+            if name in data:
+                value = data[name]
+                if isinstance(value, bool) or not isinstance(value, int | float):
+                    raise ValueError(f"efficiency {name} must be a number, got {value!r}")
+                values[name] = float(value)
+        return Efficiency(**values)
+
+
+_EFFICIENCY_FIELDS = ("compute", "bandwidth", "per_layer_s", "per_step_s", "allreduce_latency_s")
+
+
+# Fitted to tests/data/groundtruth/latency.csv (single-request rows on A100, H100,
+# H200, GH200, L40, L40S; TensorRT-LLM and vLLM) by `bench/model_accuracy.py --fit`.
+DEFAULT_EFFICIENCY = Efficiency(
+    compute=0.62,
+    bandwidth=0.80,
+    per_layer_s=45e-6,
+    per_step_s=0.6e-3,
+)
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A prefill chunk: `new_tokens` prompt tokens after `cached_tokens` already cached."""
+
+    new_tokens: int
+    cached_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class StepCost:
+    flops: float
+    bytes: float
+    compute_s: float
+    memory_s: float
+    communication_s: float
+    overhead_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.compute_s, self.memory_s) + self.communication_s + self.overhead_s
+
+    @property
+    def bound(self) -> Bound:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+
+@dataclass(frozen=True)
+class Roofline:
+    arch: ModelArchitecture
+    weights: WeightFootprint
+    kv_specs: Sequence[KVSpec]
+    gpu: Gpu
+    tp: int
+    compute_rate: ComputeRate
+    efficiency: Efficiency = DEFAULT_EFFICIENCY
+
+    @cached_property
+    def _matmul_params(self) -> float:
+        """Active parameters multiplied per token in the layers (no embeddings/lm_head)."""
+        skip = (Role.EMBEDDING, Role.LM_HEAD, Role.VISION, Role.NORM)
+        return sum(n for role, n in self.arch.active_params_by_role().items() if role not in skip)
+
+    def _kv_bytes(self, tokens: int) -> float:
+        return sum(spec.sequence_bytes(tokens) for spec in self.kv_specs)
+
+    def _kv_token_bytes(self) -> float:
+        return sum(spec.token_bytes for spec in self.kv_specs)
+
+    def step(self, prefills: Sequence[Prefill] = (), decode_contexts: Sequence[int] = ()) -> StepCost:
+        """Cost of one engine step over the given prefill chunks and decoding sequences."""
+        arch = self.arch
+        new_tokens = sum(p.new_tokens for p in prefills) + len(decode_contexts)
+        if new_tokens <= 0:
+            return StepCost(0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+        # vLLM computes logits only for the last token of each sequence in the step.
+        logit_rows = len(decode_contexts) + len(prefills)
+        linear_flops = 2.0 * self._matmul_params * new_tokens + (
+            2.0 * arch.hidden_size * arch.vocab_size * logit_rows
+        )
+        attention_flops = 0.0
+        kv_read = 0.0
+        for chunk in prefills:
+            middle = chunk.cached_tokens + chunk.new_tokens // 2
+            attention_flops += chunk.new_tokens * arch.context_flops_per_token(middle)
+            kv_read += self._kv_bytes(chunk.cached_tokens)
+        for context in decode_contexts:
+            attention_flops += arch.context_flops_per_token(context)
+            kv_read += self._kv_bytes(context)
+        flops = (linear_flops + attention_flops) / self.tp
+        kv_write = new_tokens * self._kv_token_bytes()
+        weight_bytes = self.weights.bytes_read_per_step(expert_fraction_read(arch, new_tokens))
+        total_bytes = weight_bytes + kv_read + kv_write
+        eff = self.efficiency
+        compute_s = flops / (eff.compute * self.gpu.peak_flops(self.compute_rate))
+        memory_s = total_bytes / (eff.bandwidth * self.gpu.bandwidth_bytes_per_s)
+        return StepCost(
+            flops=flops,
+            bytes=total_bytes,
+            compute_s=compute_s,
+            memory_s=memory_s,
+            communication_s=self._allreduce_s(new_tokens),
+            overhead_s=eff.per_step_s + eff.per_layer_s * arch.num_layers,
+        )
+
+    def _allreduce_s(self, tokens: int) -> float:
+        if self.tp <= 1:
+            return 0.0
+        link = (self.gpu.interconnect_gbps or _PCIE_GBPS) * 1e9
+        payload = tokens * self.arch.hidden_size * 2  # bf16 activations
+        ring = 2 * (self.tp - 1) / self.tp * payload / link
+        per_layer = 2 * (self.efficiency.allreduce_latency_s + ring)
+        return per_layer * self.arch.num_layers
+
+    # ---- request-level views ---------------------------------------------------
+
+    def prefill(
+        self,
+        prompt_tokens: int,
+        running_contexts: Sequence[int] = (),
+        chunk_tokens: int | None = None,
+        cached_tokens: int = 0,
+    ) -> PhaseCost:
+        """The steps that prefill one prompt while `running_contexts` keep decoding.
+
+        With chunked prefill a long prompt runs in chunks of `chunk_tokens` (vLLM's
+        max_num_batched_tokens less the decode tokens sharing each step).
+        """
+        budget = max(1, (chunk_tokens or prompt_tokens) - len(running_contexts))
+        steps: list[StepCost] = []
+        done = 0
+        while done < max(prompt_tokens, 1):
+            size = max(1, min(budget, prompt_tokens - done))
+            steps.append(self.step([Prefill(size, cached_tokens + done)], running_contexts))
+            done += size
+        return PhaseCost.of(steps)
+
+    def decode(self, contexts: Sequence[int]) -> PhaseCost:
+        """One decode step for a batch of sequences with these context lengths."""
+        return PhaseCost.of([self.step((), contexts)])
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """Several steps: their total time and which resource bounded most of it."""
+
+    seconds: float
+    compute_s: float
+    memory_s: float
+
+    @property
+    def bound(self) -> Bound:
+        return "compute" if self.compute_s >= self.memory_s else "memory"
+
+    @staticmethod
+    def of(steps: Sequence[StepCost]) -> PhaseCost:
+        return PhaseCost(
+            sum(step.seconds for step in steps),
+            sum(step.compute_s for step in steps),
+            sum(step.memory_s for step in steps),
+        )

@@ -1,0 +1,183 @@
+"""Capacity planning: latency at a steady concurrency, Little's law, recommended
+vLLM flags and replica counts, and multi-call chains (agents, RAG).
+
+Little's law: requests in the system = arrival rate x time in system. Seed example:
+a request decodes 500 tokens at 50 tokens/s (10 s); at 2 requests/s, 20 requests are
+in flight, and each holds its KV cache for the whole time.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sidecar.model.latency import Bound
+from sidecar.model.served import ServedModel
+
+# Plan to fill at most this share of the KV cache: request lengths vary around
+# their means (the seeds recommend 70-80%).
+DEFAULT_KV_MARGIN = 0.8
+
+
+@dataclass(frozen=True)
+class LatencyEstimate:
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    prefill_bound: Bound
+    decode_bound: Bound
+
+
+def steady_latency(
+    served: ServedModel, prompt_tokens: int, output_tokens: int, concurrency: int
+) -> LatencyEstimate | None:
+    """Latency of one request while `concurrency` requests (itself included) run.
+
+    The others are taken halfway through their output: context = prompt + output/2.
+    E2E = TTFT + output x TPOT.
+    """
+    if served.roofline is None:
+        return None
+    concurrency = max(1, concurrency)
+    mid_context = prompt_tokens + output_tokens // 2
+    others = (mid_context,) * (concurrency - 1)
+    prefill = served.ttft(prompt_tokens, others)
+    decode = served.tpot((mid_context,) * concurrency)
+    assert prefill is not None and decode is not None
+    return LatencyEstimate(
+        ttft_s=prefill.seconds,
+        tpot_s=decode.seconds,
+        e2e_s=prefill.seconds + output_tokens * decode.seconds,
+        prefill_bound=prefill.bound,
+        decode_bound=decode.bound,
+    )
+
+
+def concurrency_by_littles_law(arrival_rate_per_s: float, time_in_system_s: float) -> float:
+    return arrival_rate_per_s * time_in_system_s
+
+
+def kv_concurrency_limit(served: ServedModel, sequence_tokens: int,
+                         margin: float = DEFAULT_KV_MARGIN) -> int | None:
+    """Sequences of `sequence_tokens` tokens that fit in `margin` of the KV cache."""
+    capacity = served.capacity
+    if capacity is None:
+        return None
+    per_request = served.blocks_for_request(sequence_tokens)
+    if per_request == 0:
+        return served.max_num_seqs
+    return int(capacity.usable_blocks * margin // per_request)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    max_num_seqs: int
+    limited_by: str  # "kv-cache", "tpot-slo", "ttft-slo", "max-num-seqs"
+    concurrency_needed: float | None  # by Little's law, when an arrival rate is given
+    replicas: int | None
+    latency_at_max: LatencyEstimate | None
+
+
+def recommend(
+    served: ServedModel,
+    prompt_tokens: int,
+    output_tokens: int,
+    arrival_rate_per_s: float | None = None,
+    ttft_slo_s: float | None = None,
+    tpot_slo_s: float | None = None,
+    margin: float = DEFAULT_KV_MARGIN,
+) -> Recommendation:
+    """The largest concurrency one replica sustains within the KV margin and SLOs."""
+    limit = served.max_num_seqs
+    limited_by = "max-num-seqs"
+    kv_limit = kv_concurrency_limit(served, prompt_tokens + output_tokens, margin)
+    if kv_limit is not None and kv_limit < limit:
+        limit, limited_by = max(kv_limit, 1), "kv-cache"
+
+    def slo_violation(concurrency: int) -> str | None:
+        estimate = steady_latency(served, prompt_tokens, output_tokens, concurrency)
+        if estimate is None:
+            return None
+        if tpot_slo_s is not None and estimate.tpot_s > tpot_slo_s:
+            return "tpot-slo"
+        if ttft_slo_s is not None and estimate.ttft_s > ttft_slo_s:
+            return "ttft-slo"
+        return None
+
+    violation = slo_violation(limit) if (ttft_slo_s or tpot_slo_s) else None
+    if violation is not None:
+        low, high = 1, limit
+        reason = violation
+        while low < high:
+            mid = (low + high + 1) // 2
+            if slo_violation(mid) is None:
+                low = mid
+            else:
+                high = mid - 1
+        limit, limited_by = low, reason
+    latency = steady_latency(served, prompt_tokens, output_tokens, limit)
+    needed = None
+    replicas = None
+    if arrival_rate_per_s is not None and latency is not None:
+        # Time in system at the recommended operating point sizes the concurrency.
+        needed = concurrency_by_littles_law(arrival_rate_per_s, latency.e2e_s)
+        replicas = max(1, math.ceil(needed / limit))
+    return Recommendation(limit, limited_by, needed, replicas, latency)
+
+
+@dataclass(frozen=True)
+class ChainCall:
+    input_tokens: int
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class ChainCallEstimate:
+    call: ChainCall
+    cached_tokens: int
+    ttft_s: float
+    decode_s: float
+
+
+@dataclass(frozen=True)
+class ChainEstimate:
+    calls: tuple[ChainCallEstimate, ...]
+    prefix_cache: bool
+
+    @property
+    def total_s(self) -> float:
+        return sum(call.ttft_s + call.decode_s for call in self.calls)
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(c.call.input_tokens - c.cached_tokens for c in self.calls)
+
+
+def chain(
+    served: ServedModel, calls: Sequence[ChainCall], prefix_cache: bool, concurrency: int = 1
+) -> ChainEstimate | None:
+    """Sum of prefill and decode over a chain of calls that re-send a growing context.
+
+    With a prefix cache, call i reuses the previous call's input plus output when its
+    own input starts with them (it is at least as long); only the rest is prefilled.
+    """
+    if served.roofline is None:
+        return None
+    estimates: list[ChainCallEstimate] = []
+    previous_context = 0
+    for call in calls:
+        cached = 0
+        if prefix_cache and previous_context and call.input_tokens >= previous_context:
+            cached = previous_context
+        new_tokens = max(1, call.input_tokens - cached)
+        mid = call.input_tokens + call.output_tokens // 2
+        others = (mid,) * (max(1, concurrency) - 1)
+        prefill = served.ttft(new_tokens, others, cached)
+        decode = served.tpot((mid,) * max(1, concurrency))
+        assert prefill is not None and decode is not None
+        estimates.append(
+            ChainCallEstimate(call, cached, prefill.seconds, call.output_tokens * decode.seconds)
+        )
+        previous_context = call.input_tokens + call.output_tokens
+    return ChainEstimate(tuple(estimates), prefix_cache)

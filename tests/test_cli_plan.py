@@ -1,0 +1,134 @@
+"""`kvgate plan`: the JSON contract, the report, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sidecar.cli.main import main
+from sidecar.cli.plan import build_parser
+
+CONTRACT_KEYS = {
+    "params_total", "params_active", "weights_bytes", "kv_bytes_per_token",
+    "kv_bytes_per_sequence", "kv_budget_bytes", "kv_capacity_tokens", "max_concurrency",
+    "ttft_s", "tpot_s", "e2e_s", "prefill_bound", "decode_bound", "fits",
+}
+
+
+def plan_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+    assert main(["plan", *args, "--json"]) == 0
+    result: dict[str, object] = json.loads(capsys.readouterr().out)
+    return result
+
+
+def test_json_contract_with_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    result = plan_json(capsys, "--model", "Qwen/Qwen3-8B", "--gpu", "H100",
+                       "--prompt-tokens", "2000", "--output-tokens", "100", "--concurrency", "8")
+    assert CONTRACT_KEYS <= result.keys()
+    assert result["kv_bytes_per_token"] == 147_456
+    assert result["prefill_bound"] == "compute" and result["decode_bound"] == "memory"
+    assert result["fits"] is True
+    e2e, ttft, tpot = (float(result[k]) for k in ("e2e_s", "ttft_s", "tpot_s"))  # type: ignore[arg-type]
+    assert e2e == pytest.approx(ttft + 100 * tpot)
+
+
+def test_capacity_from_a_logged_budget_needs_no_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    # Qwen3-14B on an A100 40GB logged 6.51 GiB and 42,656 tokens (LMCache#1739).
+    result = plan_json(capsys, "--model", "Qwen/Qwen3-14B", "--available-kv-gib", "6.51",
+                       "--max-model-len", "32768")
+    assert result["kv_capacity_tokens"] == 42_656
+    assert result["max_concurrency"] == pytest.approx(1.30, abs=0.005)
+    assert result["ttft_s"] is None and result["tpot_s"] is None
+    assert result["kv_bytes_per_sequence"] == 32_768 * 163_840
+
+
+def test_sequence_tokens_and_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    result = plan_json(capsys, "--model", "meta-llama/Meta-Llama-3.1-8B", "--tp", "2",
+                       "--sequence-tokens", "8192")
+    assert result["kv_bytes_per_token"] == 65_536
+    assert result["kv_bytes_per_sequence"] == 8192 * 65_536
+
+
+def test_report_is_a_readable_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "A100-80GB",
+                 "--chain", "1000:200,1500:300", "--arrival-rate", "2"]) == 0
+    out = capsys.readouterr().out
+    for text in ("weights per GPU", "KV cache size (vLLM's log)", "TTFT", "TPOT",
+                 "recommended --max-num-seqs", "replicas needed", "Chain (prefix cache on)"):
+        assert text in out
+
+
+def test_vllm_args_and_helm_values(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "L40S", "--tpot-slo-ms", "40",
+                 "--print", "vllm-args"]) == 0
+    args = capsys.readouterr().out
+    assert "--max-num-seqs" in args and "--gpu-memory-utilization 0.9" in args
+    assert main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "L40S", "--arrival-rate", "5",
+                 "--print", "helm-values"]) == 0
+    assert "replicaCount:" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "/nonexistent/config.json"], "is not a file"),
+        (["--model", "Qwen/Qwen3-8B", "--gpu", "Z9000"], "unknown GPU 'Z9000'"),
+        (["--model", "Qwen/Qwen3-8B", "--tp", "3"], "does not divide"),
+        (["--model", "Qwen/Qwen3-8B", "--tp", "two"], "--tp: expected a positive integer"),
+        (["--model", "Qwen/Qwen3-8B", "--max-model-len", "1.5"], "--max-model-len"),
+        (["--model", "Qwen/Qwen3-8B", "--gpu-memory-gib", "10"], "needs all of"),
+        (["--model", "Qwen/Qwen3-8B", "--chain", "10:x"], "--chain entry '10:x'"),
+        (["--model", "Qwen/Qwen3-8B", "--gpu-memory-utilization", "2"], "in (0, 1]"),
+        (["--gpu", "H100"], "--model"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
+    proc = subprocess.run([sys.executable, "-m", "sidecar", "plan", *args],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert message in lines[0]
+
+
+def test_bad_calibration_file(tmp_path: Path) -> None:
+    bad = tmp_path / "cal.json"
+    bad.write_text(json.dumps({"efficiency": {"compute": 3.0}}))
+    proc = subprocess.run([sys.executable, "-m", "sidecar", "plan", "--model", "Qwen/Qwen3-8B",
+                           "--gpu", "H100", "--calibration", str(bad)],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2 and "compute must be in (0, 1]" in proc.stderr
+
+
+def test_calibration_changes_latency(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = plan_json(capsys, "--model", "Qwen/Qwen3-8B", "--gpu", "H100")
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"efficiency": {"bandwidth": 0.4}}))
+    slow = plan_json(capsys, "--model", "Qwen/Qwen3-8B", "--gpu", "H100",
+                     "--calibration", str(cal))
+    assert float(slow["tpot_s"]) > 1.5 * float(base["tpot_s"])  # type: ignore[arg-type]
+
+
+def test_help_explains_every_flag() -> None:
+    parser = build_parser()
+    text = parser.format_help()
+    for action in parser._actions:
+        for flag in action.option_strings:
+            assert flag in text
+        if action.option_strings and action.dest != "help":
+            assert action.help, f"{action.option_strings} has no help"
+    for flag in ("--gpu-memory-gib", "--gpu-bandwidth-gbps", "--gpu-tflops", "--available-kv-gib",
+                 "--sequence-tokens", "--arrival-rate", "--kv-cache-dtype", "--json"):
+        assert flag in text
+
+
+def test_top_level_help_and_unknown_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--help"]) == 0
+    assert "plan" in capsys.readouterr().out
+    assert main(["frobnicate"]) == 2
