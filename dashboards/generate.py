@@ -1,0 +1,741 @@
+#!/usr/bin/env python3
+"""Generate kvgate's Grafana dashboard.
+
+    python dashboards/generate.py           # (re)write the dashboard files
+    python dashboards/generate.py --check   # exit 1 if any of them is out of date
+
+Writes ``dashboards/kvgate.json`` and the chart's copy ``helm/kvgate/files/kvgate-dashboard.json``
+(identical). The dashboard has no ``__inputs``: it imports as is (UI, provisioning or the
+Grafana sidecar's ConfigMap) and asks for the Prometheus data source in its ``datasource``
+variable. Variables:
+
+* ``model``         kvgate_info's ``model`` label
+* ``instance``      kvgate sidecars serving the selected models (kvgate_info)
+* ``vllm_instance`` vLLM servers (any target exposing ``vllm:num_requests_running``; the
+                    sidecar's ``--gateway-metrics`` does not expose that one)
+
+Metric names are those of ``docs/contracts.md``. Standard library only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "dashboards" / "kvgate.json"
+HELM_DASHBOARD = ROOT / "helm" / "kvgate" / "files" / "kvgate-dashboard.json"
+
+SCHEMA_VERSION = 39
+DS = {"type": "prometheus", "uid": "${datasource}"}
+RI = "$__rate_interval"
+K = 'instance=~"$instance"'  # kvgate sidecars
+V = 'instance=~"$vllm_instance"'  # vLLM servers
+
+Panel = dict[str, Any]
+
+
+# --- building blocks -------------------------------------------------------------------
+
+
+def target(expr: str, legend: str = "", *, instant: bool = False) -> dict[str, Any]:
+    """A Prometheus query. ``refId`` is filled in by the panel."""
+    result: dict[str, Any] = {
+        "datasource": DS,
+        "editorMode": "code",
+        "expr": expr,
+        "legendFormat": legend or "__auto",
+        "range": not instant,
+        "instant": instant,
+    }
+    if instant:
+        result["format"] = "table"
+    return result
+
+
+def _with_ref_ids(targets: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**t, "refId": chr(ord("A") + i)} for i, t in enumerate(targets)]
+
+
+def _thresholds(steps: list[tuple[float | None, str]]) -> dict[str, Any]:
+    return {
+        "mode": "absolute",
+        "steps": [{"color": color, "value": value} for value, color in steps],
+    }
+
+
+def timeseries(
+    title: str,
+    description: str,
+    targets: list[dict[str, Any]],
+    *,
+    unit: str = "short",
+    stack: bool = False,
+    minimum: float | None = 0,
+    maximum: float | None = None,
+    thresholds: list[tuple[float | None, str]] | None = None,
+    log_scale: bool = False,
+) -> Panel:
+    custom: dict[str, Any] = {
+        "drawStyle": "line",
+        "lineWidth": 1,
+        "fillOpacity": 20 if stack else 0,
+        "showPoints": "never",
+        "spanNulls": False,
+        "stacking": {"mode": "normal" if stack else "none", "group": "A"},
+        "thresholdsStyle": {"mode": "dashed" if thresholds else "off"},
+        "axisSoftMin": minimum,
+    }
+    if log_scale:
+        custom["scaleDistribution"] = {"type": "log", "log": 2}
+    defaults: dict[str, Any] = {
+        "unit": unit,
+        "custom": custom,
+        "color": {"mode": "palette-classic"},
+        "thresholds": _thresholds(thresholds or [(None, "green")]),
+    }
+    if maximum is not None:
+        defaults["max"] = maximum
+    return {
+        "type": "timeseries",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "targets": _with_ref_ids(targets),
+        "fieldConfig": {"defaults": defaults, "overrides": []},
+        "options": {
+            "legend": {"displayMode": "list", "placement": "bottom", "showLegend": True},
+            "tooltip": {"mode": "multi", "sort": "desc"},
+        },
+    }
+
+
+def stat(
+    title: str,
+    description: str,
+    targets: list[dict[str, Any]],
+    *,
+    unit: str = "short",
+    thresholds: list[tuple[float | None, str]],
+    mappings: list[dict[str, Any]] | None = None,
+) -> Panel:
+    return {
+        "type": "stat",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "targets": _with_ref_ids(targets),
+        "fieldConfig": {
+            "defaults": {
+                "unit": unit,
+                "thresholds": _thresholds(thresholds),
+                "mappings": mappings or [],
+                "color": {"mode": "thresholds"},
+            },
+            "overrides": [],
+        },
+        "options": {
+            "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False},
+            "colorMode": "background",
+            "graphMode": "area",
+            "justifyMode": "auto",
+            "orientation": "auto",
+            "textMode": "auto",
+        },
+    }
+
+
+def table(title: str, description: str, targets: list[dict[str, Any]]) -> Panel:
+    return {
+        "type": "table",
+        "title": title,
+        "description": description,
+        "datasource": DS,
+        "targets": _with_ref_ids(targets),
+        "fieldConfig": {"defaults": {}, "overrides": []},
+        "options": {"showHeader": True, "cellHeight": "sm"},
+        "transformations": [
+            {
+                "id": "organize",
+                "options": {
+                    "excludeByName": {"Time": True, "Value": True, "__name__": True},
+                    "indexByName": {"instance": 0, "model": 1, "version": 2, "mode": 3},
+                },
+            }
+        ],
+    }
+
+
+def row(title: str) -> Panel:
+    return {"type": "row", "title": title, "collapsed": False, "panels": []}
+
+
+def quantile(q: float, metric: str, selector: str, by: str = "le") -> str:
+    return f"histogram_quantile({q}, sum by ({by}) (rate({metric}_bucket{{{selector}}}[{RI}])))"
+
+
+# --- the panels ------------------------------------------------------------------------
+
+NON_ADMITTED = 'outcome!~"admitted|cancelled"'
+
+# (panel, width, height); a row is always full width.
+LAYOUT: list[tuple[Panel, int, int]] = [
+    (row("Admission decisions"), 24, 1),
+    (
+        timeseries(
+            "Decisions by outcome",
+            "Rate of kvgate's admission decisions by outcome (docs/contracts.md): admitted, "
+            "never_fits, queue_full, deadline, queue_timeout, unavailable, draining, cancelled.",
+            [
+                target(
+                    f"sum by (outcome) (rate(kvgate_requests_total{{{K}}}[{RI}]))",
+                    "{{outcome}}",
+                )
+            ],
+            unit="reqps",
+            stack=True,
+        ),
+        10,
+        8,
+    ),
+    (
+        timeseries(
+            "Rejections by reason",
+            "Requests kvgate did not admit, by outcome (cancelled = the client left while "
+            "queued, not a rejection). never_fits: prompt + max_tokens can never fit; "
+            "queue_full / deadline / queue_timeout: not enough capacity; unavailable / "
+            "draining: upstream down or shutting down.",
+            [
+                target(
+                    f"sum by (outcome) (rate(kvgate_requests_total{{{K}, {NON_ADMITTED}}}[{RI}]))",
+                    "{{outcome}}",
+                )
+            ],
+            unit="reqps",
+            stack=True,
+        ),
+        10,
+        8,
+    ),
+    (
+        stat(
+            "Rejected share",
+            "Share of decisions that rejected the request (all outcomes but admitted and "
+            "cancelled). Alert KvgateHighRejectionRate fires above 10% for 10 minutes.",
+            [
+                target(
+                    f"sum(rate(kvgate_requests_total{{{K}, {NON_ADMITTED}}}[{RI}]))"
+                    f" / sum(rate(kvgate_requests_total{{{K}}}[{RI}]))",
+                    "rejected",
+                )
+            ],
+            unit="percentunit",
+            thresholds=[(None, "green"), (0.05, "orange"), (0.1, "red")],
+        ),
+        4,
+        8,
+    ),
+    (row("Queue and concurrency"), 24, 1),
+    (
+        timeseries(
+            "Queue length and inflight requests",
+            "Requests waiting in kvgate's queue, and requests admitted and running on the "
+            "server, per sidecar.",
+            [
+                target(f"kvgate_queue_requests{{{K}}}", "{{instance}} queued"),
+                target(f"kvgate_inflight_requests{{{K}}}", "{{instance}} inflight"),
+            ],
+        ),
+        8,
+        8,
+    ),
+    (
+        timeseries(
+            "Queue wait",
+            "Quantiles of the time admitted or timed-out requests waited in kvgate's queue. "
+            "Alert KvgateQueueWaitHigh fires when p90 stays above 10 s.",
+            [
+                target(quantile(0.5, "kvgate_queue_wait_seconds", K), "p50"),
+                target(quantile(0.9, "kvgate_queue_wait_seconds", K), "p90"),
+                target(quantile(0.99, "kvgate_queue_wait_seconds", K), "p99"),
+            ],
+            unit="s",
+        ),
+        8,
+        8,
+    ),
+    (
+        timeseries(
+            "Recommended max concurrency vs inflight",
+            "kvgate's recommendation for the number of concurrent requests the server's KV "
+            "cache holds (compare with vLLM's --max-num-seqs), the requests kvgate has in "
+            "flight, and the requests the vLLM server reports running.",
+            [
+                target(f"kvgate_recommended_max_concurrency{{{K}}}", "{{instance}} recommended"),
+                target(f"kvgate_inflight_requests{{{K}}}", "{{instance}} inflight"),
+                target(
+                    f"sum by (instance) (vllm:num_requests_running{{{V}}})",
+                    "{{instance}} vLLM running",
+                ),
+            ],
+        ),
+        8,
+        8,
+    ),
+    (row("KV cache"), 24, 1),
+    (
+        timeseries(
+            "KV blocks: capacity, reserved, used, forecast",
+            "KV cache blocks of the server: its capacity, what kvgate has reserved for "
+            "admitted requests, what the server reports in use, and kvgate's forecast peak "
+            "(forecast peak ratio x capacity). Forecast above capacity means preemptions.",
+            [
+                target(f"kvgate_kv_capacity_blocks{{{K}}}", "{{instance}} capacity"),
+                target(f"kvgate_kv_reserved_blocks{{{K}}}", "{{instance}} reserved"),
+                target(f"kvgate_kv_used_blocks{{{K}}}", "{{instance}} used"),
+                target(
+                    f"kvgate_kv_forecast_peak_ratio{{{K}}} * kvgate_kv_capacity_blocks{{{K}}}",
+                    "{{instance}} forecast peak",
+                ),
+            ],
+        ),
+        12,
+        9,
+    ),
+    (
+        timeseries(
+            "KV utilisation: kvgate vs server",
+            "Shares of the KV capacity: reserved and used as seen by kvgate, its forecast "
+            "peak ratio (alert KvgateKVExhaustionPredicted above 1), and the vLLM server's "
+            "own vllm:kv_cache_usage_perc (vllm:gpu_cache_usage_perc on older servers).",
+            [
+                target(
+                    f"kvgate_kv_reserved_blocks{{{K}}} / kvgate_kv_capacity_blocks{{{K}}}",
+                    "{{instance}} reserved",
+                ),
+                target(
+                    f"kvgate_kv_used_blocks{{{K}}} / kvgate_kv_capacity_blocks{{{K}}}",
+                    "{{instance}} used",
+                ),
+                target(f"kvgate_kv_forecast_peak_ratio{{{K}}}", "{{instance}} forecast peak"),
+                target(
+                    f"max by (instance) (vllm:kv_cache_usage_perc{{{V}}})"
+                    f" or max by (instance) (vllm:gpu_cache_usage_perc{{{V}}})",
+                    "{{instance}} vLLM usage",
+                ),
+            ],
+            unit="percentunit",
+            thresholds=[(None, "green"), (1, "red")],
+        ),
+        12,
+        9,
+    ),
+    (
+        timeseries(
+            "Forecast time to KV exhaustion",
+            "Time until kvgate's forecast peak exceeds the KV capacity, capped at 1 h for "
+            "display (+Inf, never, shows as 1 h). Alert KvgateKVExhaustionImminent fires "
+            "below 60 s.",
+            [
+                target(
+                    f"clamp_max(kvgate_kv_forecast_exhaustion_seconds{{{K}}}, 3600)",
+                    "{{instance}}",
+                )
+            ],
+            unit="s",
+            thresholds=[(None, "red"), (60, "green")],
+        ),
+        12,
+        8,
+    ),
+    (
+        timeseries(
+            "vLLM preemptions",
+            "Requests the vLLM server preempted (KV cache ran out). kvgate's job is to keep "
+            "this at zero; alert VllmPreemptions.",
+            [
+                target(
+                    f"sum by (instance) (rate(vllm:num_preemptions_total{{{V}}}[{RI}]))",
+                    "{{instance}}",
+                )
+            ],
+            unit="ops",
+        ),
+        12,
+        8,
+    ),
+    (row("Predictions"), 24, 1),
+    (
+        timeseries(
+            "TTFT: predicted vs observed",
+            "Time to first token: kvgate's prediction at admission vs what it observed on "
+            "the proxied stream, beside the vLLM server's own histogram.",
+            [
+                target(quantile(0.5, "kvgate_predicted_ttft_seconds", K), "predicted p50"),
+                target(quantile(0.5, "kvgate_observed_ttft_seconds", K), "observed p50"),
+                target(quantile(0.9, "kvgate_predicted_ttft_seconds", K), "predicted p90"),
+                target(quantile(0.9, "kvgate_observed_ttft_seconds", K), "observed p90"),
+                target(quantile(0.9, "vllm:time_to_first_token_seconds", V), "vLLM p90"),
+            ],
+            unit="s",
+        ),
+        12,
+        8,
+    ),
+    (
+        timeseries(
+            "TPOT: predicted vs observed",
+            "Time per output token: kvgate's prediction vs what it observed, beside the vLLM "
+            "server's inter-token latency (vllm:time_per_output_token_seconds on older "
+            "servers).",
+            [
+                target(quantile(0.5, "kvgate_predicted_tpot_seconds", K), "predicted p50"),
+                target(quantile(0.5, "kvgate_observed_tpot_seconds", K), "observed p50"),
+                target(quantile(0.9, "kvgate_predicted_tpot_seconds", K), "predicted p90"),
+                target(quantile(0.9, "kvgate_observed_tpot_seconds", K), "observed p90"),
+                target(
+                    "histogram_quantile(0.9, "
+                    f"sum by (le) (rate(vllm:inter_token_latency_seconds_bucket{{{V}}}[{RI}]))"
+                    " or sum by (le) "
+                    f"(rate(vllm:time_per_output_token_seconds_bucket{{{V}}}[{RI}])))",
+                    "vLLM p90",
+                ),
+            ],
+            unit="s",
+        ),
+        12,
+        8,
+    ),
+    (
+        timeseries(
+            "Prediction error ratio (observed / predicted)",
+            "Quantiles of observed / predicted per quantity; 1 is perfect. Alert "
+            "KvgatePredictionDrift fires when the median stays outside [0.67, 1.5] "
+            "(dashed lines): above, kvgate admits too much; below, it is too cautious.",
+            [
+                target(
+                    quantile(0.5, "kvgate_prediction_error_ratio", K, "quantity, le"),
+                    "{{quantity}} median",
+                ),
+                target(
+                    quantile(0.1, "kvgate_prediction_error_ratio", K, "quantity, le"),
+                    "{{quantity}} p10",
+                ),
+                target(
+                    quantile(0.9, "kvgate_prediction_error_ratio", K, "quantity, le"),
+                    "{{quantity}} p90",
+                ),
+            ],
+            unit="none",
+            thresholds=[(None, "red"), (0.67, "green"), (1.5, "red")],
+            log_scale=True,
+            minimum=None,
+        ),
+        24,
+        8,
+    ),
+    (row("Upstream and sidecar"), 24, 1),
+    (
+        stat(
+            "Upstream up",
+            "Whether each kvgate sees its vLLM server as reachable (alert KvgateUpstreamDown).",
+            [target(f"kvgate_upstream_up{{{K}}}", "{{instance}}")],
+            thresholds=[(None, "red"), (1, "green")],
+            mappings=[
+                {
+                    "type": "value",
+                    "options": {
+                        "0": {"text": "DOWN", "color": "red", "index": 0},
+                        "1": {"text": "UP", "color": "green", "index": 1},
+                    },
+                }
+            ],
+        ),
+        6,
+        7,
+    ),
+    (
+        timeseries(
+            "Upstream metrics age",
+            "Seconds since kvgate last read the vLLM server's /metrics (alert "
+            "KvgateUpstreamMetricsStale above 30 s).",
+            [target(f"kvgate_upstream_metrics_age_seconds{{{K}}}", "{{instance}}")],
+            unit="s",
+            thresholds=[(None, "green"), (30, "red")],
+        ),
+        6,
+        7,
+    ),
+    (
+        table(
+            "kvgate sidecars",
+            "kvgate_info: version, served model and mode (enforce or shadow) of each sidecar.",
+            [target(f'kvgate_info{{{K}, model=~"$model"}}', instant=True)],
+        ),
+        12,
+        7,
+    ),
+    (
+        timeseries(
+            "Shadow decisions",
+            "Shadow mode (--mode shadow) admits everything; this is what enforce mode would "
+            "have decided, by outcome.",
+            [
+                target(
+                    f"sum by (outcome) (rate(kvgate_shadow_decisions_total{{{K}}}[{RI}]))",
+                    "{{outcome}}",
+                )
+            ],
+            unit="reqps",
+            stack=True,
+        ),
+        12,
+        7,
+    ),
+    (
+        timeseries(
+            "Tokenizer fallbacks",
+            "Requests whose prompt kvgate could not tokenize exactly and estimated instead "
+            "(a rising rate makes KV predictions less exact).",
+            [
+                target(
+                    f"sum by (instance) (rate(kvgate_tokenize_fallback_total{{{K}}}[{RI}]))",
+                    "{{instance}}",
+                )
+            ],
+            unit="reqps",
+        ),
+        12,
+        7,
+    ),
+    (row("vLLM server"), 24, 1),
+    (
+        timeseries(
+            "vLLM KV cache usage",
+            "The server's own KV cache usage (0-1): vllm:kv_cache_usage_perc, or "
+            "vllm:gpu_cache_usage_perc on older servers.",
+            [
+                target(
+                    f"max by (instance) (vllm:kv_cache_usage_perc{{{V}}})"
+                    f" or max by (instance) (vllm:gpu_cache_usage_perc{{{V}}})",
+                    "{{instance}}",
+                )
+            ],
+            unit="percentunit",
+            maximum=1,
+        ),
+        8,
+        8,
+    ),
+    (
+        timeseries(
+            "vLLM requests running / waiting",
+            "Requests the vLLM scheduler runs and holds waiting. With kvgate in front, "
+            "waiting should stay near zero: kvgate queues instead.",
+            [
+                target(
+                    f"sum by (instance) (vllm:num_requests_running{{{V}}})",
+                    "{{instance}} running",
+                ),
+                target(
+                    f"sum by (instance) (vllm:num_requests_waiting{{{V}}})",
+                    "{{instance}} waiting",
+                ),
+            ],
+        ),
+        8,
+        8,
+    ),
+    (
+        stat(
+            "vLLM preemptions in range",
+            "Requests the vLLM servers preempted over the dashboard's time range.",
+            [
+                target(
+                    f"sum by (instance) (increase(vllm:num_preemptions_total{{{V}}}[$__range]))",
+                    "{{instance}}",
+                )
+            ],
+            thresholds=[(None, "green"), (1, "red")],
+        ),
+        8,
+        8,
+    ),
+    (
+        timeseries(
+            "vLLM time to first token",
+            "Quantiles of the server's vllm:time_to_first_token_seconds.",
+            [
+                target(quantile(q, "vllm:time_to_first_token_seconds", V), f"p{round(q * 100)}")
+                for q in (0.5, 0.9, 0.99)
+            ],
+            unit="s",
+        ),
+        12,
+        8,
+    ),
+    (
+        timeseries(
+            "vLLM inter-token latency",
+            "Quantiles of the server's vllm:inter_token_latency_seconds "
+            "(vllm:time_per_output_token_seconds on older servers).",
+            [
+                target(
+                    f"histogram_quantile({q}, "
+                    f"sum by (le) (rate(vllm:inter_token_latency_seconds_bucket{{{V}}}[{RI}]))"
+                    " or sum by (le) "
+                    f"(rate(vllm:time_per_output_token_seconds_bucket{{{V}}}[{RI}])))",
+                    f"p{round(q * 100)}",
+                )
+                for q in (0.5, 0.9, 0.99)
+            ],
+            unit="s",
+        ),
+        12,
+        8,
+    ),
+]
+
+
+def _place(layout: list[tuple[Panel, int, int]]) -> list[Panel]:
+    """Give each panel an id and a gridPos, filling 24-column lines left to right."""
+    panels: list[Panel] = []
+    x = y = line_height = 0
+    for number, (panel, width, height) in enumerate(layout, start=1):
+        if panel["type"] == "row" or x + width > 24:
+            y += line_height
+            x = line_height = 0
+        panels.append({"id": number, "gridPos": {"h": height, "w": width, "x": x, "y": y}, **panel})
+        x += width
+        line_height = max(line_height, height)
+        if panel["type"] == "row":
+            y += height
+            x = line_height = 0
+    return panels
+
+
+def _query_variable(name: str, label: str, query: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DS,
+        "definition": query,
+        "query": query,
+        "refresh": 2,  # on time range change: new sidecars appear
+        "includeAll": True,
+        "multi": True,
+        "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
+        "options": [],
+        "regex": "",
+        "sort": 1,
+        "hide": 0,
+        "skipUrlSync": False,
+    }
+
+
+def dashboard() -> dict[str, Any]:
+    return {
+        "annotations": {
+            "list": [
+                {
+                    "builtIn": 1,
+                    "datasource": {"type": "grafana", "uid": "-- Grafana --"},
+                    "enable": True,
+                    "hide": True,
+                    "iconColor": "rgba(0, 211, 255, 1)",
+                    "name": "Annotations & Alerts",
+                    "type": "dashboard",
+                }
+            ]
+        },
+        "description": "kvgate: KV-cache-aware admission control in front of vLLM. Decisions, "
+        "queue, KV capacity vs reserved vs used vs forecast, predicted vs observed latency, "
+        "and the vLLM server's own metrics. Generated by dashboards/generate.py.",
+        "editable": True,
+        "fiscalYearStartMonth": 0,
+        "graphTooltip": 1,
+        "id": None,
+        "links": [],
+        "panels": _place(LAYOUT),
+        "refresh": "30s",
+        "schemaVersion": SCHEMA_VERSION,
+        "tags": ["kvgate", "vllm"],
+        "templating": {
+            "list": [
+                {
+                    "name": "datasource",
+                    "label": "Data source",
+                    "type": "datasource",
+                    "query": "prometheus",
+                    "current": {},
+                    "options": [],
+                    "refresh": 1,
+                    "regex": "",
+                    "includeAll": False,
+                    "multi": False,
+                    "hide": 0,
+                    "skipUrlSync": False,
+                },
+                _query_variable("model", "Model", "label_values(kvgate_info, model)"),
+                _query_variable(
+                    "instance",
+                    "kvgate instance",
+                    'label_values(kvgate_info{model=~"$model"}, instance)',
+                ),
+                _query_variable(
+                    "vllm_instance",
+                    "vLLM instance",
+                    "label_values(vllm:num_requests_running, instance)",
+                ),
+            ]
+        },
+        "time": {"from": "now-1h", "to": "now"},
+        "timepicker": {},
+        "timezone": "",
+        "title": "kvgate",
+        "uid": "kvgate",
+        "version": 1,
+        "weekStart": "",
+    }
+
+
+def render() -> str:
+    return json.dumps(dashboard(), indent=2) + "\n"
+
+
+def outputs() -> dict[Path, str]:
+    text = render()
+    return {DASHBOARD: text, HELM_DASHBOARD: text}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--check", action="store_true", help="exit 1 if a generated file is out of date"
+    )
+    args = parser.parse_args(argv)
+    stale = []
+    for path, text in outputs().items():
+        current = path.read_text(encoding="utf-8") if path.exists() else None
+        if current == text:
+            continue
+        if args.check:
+            stale.append(path)
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+        print(f"wrote {path.relative_to(ROOT)}")
+    for path in stale:
+        print(
+            f"{path.relative_to(ROOT)} is out of date: run python dashboards/generate.py",
+            file=sys.stderr,
+        )
+    return 1 if stale else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,688 @@
+"""The admission controller: the one entry point of the admission core.
+
+`await controller.admit(request)` returns a `Ticket` (the request may go to the
+server) or raises `Rejected` with a `Decision`. The holder of a ticket calls
+`ticket.finish()` when the response ends, however it ends; that releases the KV
+reservation exactly once and lets queued requests in.
+
+Decision at arrival, in order:
+1. draining / server unavailable / capacity unknown -> reject;
+2. prompt + output reservation beyond max_model_len, or more blocks than kvgate ever
+   admits (capacity x target) -> `never_fits`, naming the largest max_tokens that fits;
+3. headroom now and nobody of the same or a more important band waiting -> admit;
+4. queue full -> `queue_full`; predicted TTFT (wait + prefill) beyond the request's
+   target -> `deadline`; else wait in the queue, until admitted, timed out
+   (`queue_timeout`, or `deadline` once it can no longer make its target) or
+   abandoned by the client (`cancelled`).
+Every rejection for capacity carries a Retry-After computed from when running
+requests are predicted to release enough KV.
+
+In shadow mode every request is admitted at once; the decision enforce mode would
+have taken is reported to the listener instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Protocol, cast
+
+from sidecar.admission.cost import CostModel, RequestCost
+from sidecar.admission.forecast import Forecast, ReleaseSchedule, RunningRequest, kv_forecast
+from sidecar.admission.ledger import Ledger, Reservation
+from sidecar.admission.outcomes import Decision, Detail, Outcome, Rejected
+from sidecar.admission.output_policy import LearnedQuantile, OutputReservation, WorstCase
+from sidecar.admission.policies import (
+    FAIRNESS,
+    ORDERINGS,
+    QueueLimits,
+    StrictPriority,
+)
+from sidecar.admission.queue import AdmissionQueue, Entry
+
+Clock = Callable[[], float]
+
+
+class Mode(StrEnum):
+    ENFORCE = "enforce"
+    SHADOW = "shadow"
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    mode: Mode = Mode.ENFORCE
+    kv_target_ratio: float = 0.95
+    limits: QueueLimits = field(default_factory=QueueLimits)
+    ordering: str = "fcfs"
+    fairness: str = "cost"
+    priority_bands: int = 3
+    starvation_bound_s: float | None = 30.0
+    output_policy: str = "worst-case"
+    output_quantile: float = 0.9
+    max_overcommit_ratio: float = 0.1
+    retry_after_min_s: float = 1.0
+    retry_after_max_s: float = 600.0
+    unavailable_retry_after_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.ordering not in ORDERINGS:
+            raise ValueError(f"ordering must be one of {', '.join(ORDERINGS)}")
+        if self.fairness not in FAIRNESS:
+            raise ValueError(f"fairness must be one of {', '.join(FAIRNESS)}")
+        if self.output_policy not in ("worst-case", "quantile"):
+            raise ValueError("output policy must be worst-case or quantile")
+        if self.priority_bands < 1:
+            raise ValueError("priority bands must be >= 1")
+        if not 0.0 <= self.max_overcommit_ratio <= 1.0:
+            raise ValueError("max overcommit ratio must be in [0, 1]")
+
+
+@dataclass(frozen=True)
+class AdmissionRequest:
+    prompt_tokens: int
+    max_tokens: int | None = None
+    sequences: int = 1  # n / best_of
+    band: int = 1  # 0 is the most important
+    tenant: str = "default"
+    ttft_slo_s: float | None = None
+
+
+@dataclass(frozen=True)
+class ServerState:
+    """What the upstream client last learned from the server."""
+
+    available: bool = True
+    num_blocks: int | None = None  # the server's pool, as vLLM reports it
+    used_blocks: int | None = None
+    running: int | None = None
+    waiting: int | None = None
+
+
+class DecisionListener(Protocol):
+    def decided(self, decision: Decision, *, shadow: bool) -> None: ...
+
+    def queue_wait(self, seconds: float) -> None: ...
+
+
+class _NoListener:
+    def decided(self, decision: Decision, *, shadow: bool) -> None:
+        return None
+
+    def queue_wait(self, seconds: float) -> None:
+        return None
+
+
+class Ticket:
+    """An admitted request. `finish()` settles it; calling it again does nothing."""
+
+    def __init__(
+        self,
+        controller: AdmissionController,
+        key: int,
+        request: AdmissionRequest,
+        cost: RequestCost,
+        reservation: Reservation,
+        admitted_s: float,
+        queue_wait_s: float,
+        predicted_ttft_s: float,
+        shadow_outcome: Outcome | None,
+    ) -> None:
+        self._controller = controller
+        self.key = key
+        self.request = request
+        self.cost = cost
+        self.reservation = reservation
+        self.admitted_s = admitted_s
+        self.queue_wait_s = queue_wait_s
+        self.predicted_ttft_s = predicted_ttft_s
+        self.predicted_tpot_s = cost.tpot_s
+        self.shadow_outcome = shadow_outcome
+        self.output_tokens = 0
+        self.first_token_s: float | None = None
+        self.finished = False
+
+    @property
+    def reserved_output_tokens(self) -> int:
+        return self.cost.output_tokens
+
+    def first_token(self) -> None:
+        if self.first_token_s is None:
+            self.first_token_s = self._controller.clock()
+
+    def progress(self, output_tokens: int) -> None:
+        """Output tokens generated so far (per sequence). A request that outgrows its
+        reservation (learned-quantile policy) grows it."""
+        if output_tokens <= self.output_tokens or self.finished:
+            return
+        self._controller._progressed(self, output_tokens - self.output_tokens)
+        self.output_tokens = output_tokens
+        if self.output_tokens > self.cost.output_tokens:
+            self._controller._grow(self)
+
+    def finish(self, output_tokens: int | None = None, *, completed: bool = True) -> bool:
+        """Release the reservation. True the first time only."""
+        if self.finished:
+            return False
+        if output_tokens is not None and output_tokens > self.output_tokens:
+            self._controller._progressed(self, output_tokens - self.output_tokens)
+            self.output_tokens = output_tokens
+        self.finished = True
+        self._controller._finished(self, completed)
+        return True
+
+
+@dataclass(frozen=True)
+class _Waiter:
+    future: asyncio.Future[Ticket | Decision]
+    request: AdmissionRequest
+    cost: RequestCost
+
+
+class AdmissionController:
+    def __init__(
+        self,
+        cost_model: CostModel,
+        settings: AdmissionSettings | None = None,
+        *,
+        clock: Clock = time.monotonic,
+        listener: DecisionListener | None = None,
+    ) -> None:
+        self.settings = settings or AdmissionSettings()
+        self.cost_model = cost_model
+        self.clock = clock
+        self.listener: DecisionListener = listener or _NoListener()
+        self.server = ServerState()
+        model_capacity = cost_model.served.capacity
+        self._model_capacity = model_capacity.usable_blocks if model_capacity else None
+        self.ledger = Ledger(self._model_capacity or 0, self.settings.kv_target_ratio)
+        self.queue = AdmissionQueue(
+            ORDERINGS[self.settings.ordering](),
+            FAIRNESS[self.settings.fairness](),
+            StrictPriority(self.settings.starvation_bound_s),
+        )
+        self.output_policy: OutputReservation = (
+            LearnedQuantile(self.settings.output_quantile)
+            if self.settings.output_policy == "quantile"
+            else WorstCase()
+        )
+        self._outputs = LearnedQuantile(0.5, min_samples=20)
+        self._keys = itertools.count(1)
+        self._running: dict[int, Ticket] = {}
+        self._context_tokens = 0  # prompt + output tokens of all running requests
+        self._schedule: ReleaseSchedule | None = None
+        self._draining = False
+        self._drain_deadline_s: float | None = None
+
+    # ---- configuration from the outside ----------------------------------------------
+
+    @property
+    def capacity_blocks(self) -> int | None:
+        """Usable KV blocks: the server's own figure when known, else the model's."""
+        if self.server.num_blocks is not None:
+            return max(0, self.server.num_blocks - 1)
+        return self._model_capacity
+
+    def update_server(self, state: ServerState) -> None:
+        self.server = state
+        capacity = self.capacity_blocks
+        if capacity is not None and capacity != self.ledger.capacity_blocks:
+            self.ledger.set_capacity(capacity)
+        self.ledger.observe(state.used_blocks, self._growth_blocks())
+        self._schedule = None
+        self._dispatch()
+
+    def set_cost_model(self, cost_model: CostModel) -> None:
+        """A recalibrated or re-learned model (e.g. the server came back different)."""
+        self.cost_model = cost_model
+        capacity = cost_model.served.capacity
+        self._model_capacity = capacity.usable_blocks if capacity else None
+        self.update_server(self.server)
+
+    def drain(self, timeout_s: float) -> None:
+        """Stop admitting: new requests and waiting ones are refused."""
+        self._draining = True
+        self._drain_deadline_s = self.clock() + timeout_s
+        for entry in list(self.queue.entries()):
+            self.queue.remove(entry)
+            self._resolve(entry, self._draining_decision())
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    # ---- the decision ------------------------------------------------------------------
+
+    async def admit(self, request: AdmissionRequest) -> Ticket:
+        now = self.clock()
+        cost, decision = self._decide_at_arrival(request, now)
+        if self.settings.mode is Mode.SHADOW:
+            return self._admit_shadow(request, cost, decision, now)
+        if decision is not None and decision.outcome is not Outcome.QUEUED:
+            self._report(decision)
+            raise Rejected(decision)
+        assert cost is not None
+        if decision is None:
+            ticket = self._start(request, cost, now, queue_wait_s=0.0,
+                                 predicted_ttft_s=cost.prefill_s)
+            self._report(self._admitted_decision(ticket))
+            return ticket
+        return await self._wait_in_queue(request, cost, now, decision)
+
+    def _decide_at_arrival(
+        self, request: AdmissionRequest, now: float
+    ) -> tuple[RequestCost | None, Decision | None]:
+        """(cost, None) to admit now; (cost, QUEUED decision) to wait; else a rejection."""
+        if self._draining:
+            return None, self._draining_decision()
+        capacity = self.capacity_blocks
+        if not self.server.available or capacity is None:
+            reason = ("the model server is unavailable" if not self.server.available
+                      else "the KV cache capacity is not known yet")
+            return None, Decision(Outcome.UNAVAILABLE, reason,
+                                  self.settings.unavailable_retry_after_s)
+        cost = self._cost(request)
+        never = self._never_fits(request, cost)
+        if never is not None:
+            return cost, never
+        band = min(max(request.band, 0), self.settings.priority_bands - 1)
+        ahead = self.queue.waiting_ahead_of(band)
+        if ahead == 0 and self._fits_now(cost):
+            return cost, None
+        needed = self.queue.blocks_ahead_of(band) + cost.kv_blocks - self.ledger.headroom_blocks
+        wait_s = self._schedule_now().seconds_until(needed)
+        predicted_ttft = wait_s + cost.prefill_s
+        details = self._details(cost, predicted_ttft_s=predicted_ttft, queue_ahead=ahead)
+        if not self.settings.limits.has_room(len(self.queue)):
+            return cost, Decision(
+                Outcome.QUEUE_FULL,
+                f"the queue is full ({len(self.queue)} waiting) and the KV cache has no room "
+                f"for {cost.kv_blocks} more blocks now",
+                self._retry_after(wait_s),
+                details,
+            )
+        if request.ttft_slo_s is not None and predicted_ttft > request.ttft_slo_s:
+            return cost, Decision(
+                Outcome.DEADLINE,
+                f"predicted time to first token {predicted_ttft:.2f} s exceeds the requested "
+                f"{request.ttft_slo_s:.2f} s ({ahead} requests waiting ahead)",
+                self._retry_after(max(0.0, predicted_ttft - request.ttft_slo_s)),
+                details,
+            )
+        if wait_s > self.settings.limits.max_wait_s:
+            return cost, Decision(
+                Outcome.QUEUE_TIMEOUT,
+                f"predicted wait {wait_s:.1f} s exceeds the queue's maximum wait of "
+                f"{self.settings.limits.max_wait_s:g} s",
+                self._retry_after(wait_s - self.settings.limits.max_wait_s),
+                details,
+            )
+        return cost, Decision(Outcome.QUEUED, "waiting for KV headroom", None, details)
+
+    def _cost(self, request: AdmissionRequest) -> RequestCost:
+        output = self.output_policy.reserve(
+            request.prompt_tokens, request.max_tokens, self.cost_model.max_model_len,
+            request.tenant,
+        )
+        running = len(self._running)
+        cost = self.cost_model.cost(
+            request.prompt_tokens, output, request.sequences, running, self._mean_context()
+        )
+        # The learned policy leaves part of the worst case unreserved; bound the total.
+        unreserved = cost.worst_case_blocks - cost.kv_blocks
+        if unreserved > 0 and request.max_tokens is None:
+            allowed = self.settings.max_overcommit_ratio * self.ledger.capacity_blocks
+            if self.ledger.overcommit_blocks + unreserved > allowed:
+                worst = self.cost_model.max_model_len - request.prompt_tokens
+                cost = self.cost_model.cost(
+                    request.prompt_tokens, max(worst, 0), request.sequences, running,
+                    self._mean_context(),
+                )
+        return cost
+
+    def _never_fits(self, request: AdmissionRequest, cost: RequestCost) -> Decision | None:
+        max_len = self.cost_model.max_model_len
+        target = self.ledger.target_blocks
+        too_long = cost.total_tokens > max_len
+        too_big = cost.kv_blocks > target
+        if not (too_long or too_big):
+            return None
+        largest = min(
+            max_len - request.prompt_tokens,
+            self.cost_model.largest_output_that_fits(request.prompt_tokens, request.sequences,
+                                                     target),
+        )
+        largest = max(0, largest)
+        if too_long:
+            what = (f"prompt ({request.prompt_tokens} tokens) + max_tokens "
+                    f"({cost.output_tokens}) exceeds the model's max_model_len ({max_len})")
+        else:
+            what = (f"{request.sequences} x {cost.total_tokens} tokens need {cost.kv_blocks} KV "
+                    f"blocks, more than the {target} blocks the whole cache can give one request")
+        hint = (f"; the largest max_tokens that fits is {largest}" if largest > 0 else
+                "; the prompt alone does not fit")
+        return Decision(
+            Outcome.NEVER_FITS,
+            what + hint,
+            None,
+            self._details(cost, largest_max_tokens=largest, max_model_len=max_len),
+        )
+
+    def _fits_now(self, cost: RequestCost) -> bool:
+        return self.server.available and self.ledger.fits(cost.kv_blocks)
+
+    # ---- waiting -------------------------------------------------------------------------
+
+    async def _wait_in_queue(
+        self, request: AdmissionRequest, cost: RequestCost, now: float, queued: Decision
+    ) -> Ticket:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Ticket | Decision] = loop.create_future()
+        band = min(max(request.band, 0), self.settings.priority_bands - 1)
+        deadline = None if request.ttft_slo_s is None else now + request.ttft_slo_s
+        entry = self.queue.push(Entry(
+            arrival_s=now,
+            band=band,
+            tenant=request.tenant,
+            blocks=cost.kv_blocks,
+            cost=cost.gpu_seconds(self.ledger.capacity_blocks),
+            deadline_s=deadline,
+            payload=_Waiter(future, request, cost),
+        ))
+        timeout = self.settings.limits.max_wait_s
+        if deadline is not None:
+            timeout = min(timeout, max(0.0, deadline - now - cost.prefill_s))
+        try:
+            result = await asyncio.wait_for(asyncio.shield(future), timeout)
+        except TimeoutError:
+            if future.done():
+                result = future.result()
+            else:
+                self.queue.remove(entry)
+                result = self._timed_out(request, cost, entry, deadline)
+                future.set_result(result)
+        except asyncio.CancelledError:
+            if future.done() and not future.cancelled():
+                outcome = future.result()
+                if isinstance(outcome, Ticket):
+                    outcome.finish(completed=False)
+            else:
+                self.queue.remove(entry)
+                future.cancel()
+            self._report(Decision(Outcome.CANCELLED, "the client went away while queued",
+                                  None, queued.details))
+            raise
+        if isinstance(result, Decision):
+            self._report(result)
+            raise Rejected(result)
+        self.listener.queue_wait(result.queue_wait_s)
+        self._report(self._admitted_decision(result))
+        return result
+
+    def _timed_out(
+        self, request: AdmissionRequest, cost: RequestCost, entry: Entry, deadline: float | None
+    ) -> Decision:
+        now = self.clock()
+        waited = now - entry.arrival_s
+        needed = self.queue.blocks_ahead_of(entry.band) + cost.kv_blocks - (
+            self.ledger.headroom_blocks)
+        retry = self._retry_after(self._schedule_now().seconds_until(needed))
+        details = self._details(cost, waited_s=round(waited, 3))
+        if deadline is not None and now + cost.prefill_s >= deadline - 1e-9 and (
+            waited < self.settings.limits.max_wait_s
+        ):
+            return Decision(
+                Outcome.DEADLINE,
+                f"still queued after {waited:.2f} s: the first token can no longer arrive "
+                f"within the requested {request.ttft_slo_s:.2f} s",
+                retry,
+                details,
+            )
+        return Decision(
+            Outcome.QUEUE_TIMEOUT,
+            f"waited {waited:.1f} s in the queue (maximum {self.settings.limits.max_wait_s:g} s) "
+            "without KV headroom",
+            retry,
+            details,
+        )
+
+    def _dispatch(self) -> None:
+        """Admit waiting requests, in policy order, while the head fits."""
+        if self.settings.mode is Mode.SHADOW or self._draining or not self.server.available:
+            return
+        while len(self.queue):
+            now = self.clock()
+            entry = self.queue.peek(now)
+            if entry is None or not self.ledger.fits(entry.blocks):
+                return
+            popped = self.queue.pop(now)
+            assert popped is entry
+            waiter = cast(_Waiter, entry.payload)
+            if waiter.future.done():
+                continue
+            waited = now - entry.arrival_s
+            ticket = self._start(waiter.request, waiter.cost, now, queue_wait_s=waited,
+                                 predicted_ttft_s=waited + waiter.cost.prefill_s)
+            waiter.future.set_result(ticket)
+
+    def _resolve(self, entry: Entry, decision: Decision) -> None:
+        waiter = cast(_Waiter, entry.payload)
+        if not waiter.future.done():
+            waiter.future.set_result(decision)
+
+    # ---- admitted requests ---------------------------------------------------------------
+
+    def _start(
+        self,
+        request: AdmissionRequest,
+        cost: RequestCost,
+        now: float,
+        *,
+        queue_wait_s: float,
+        predicted_ttft_s: float,
+        shadow_outcome: Outcome | None = None,
+    ) -> Ticket:
+        reservation = self.ledger.reserve(cost.kv_blocks, cost.worst_case_blocks)
+        ticket = Ticket(self, next(self._keys), request, cost, reservation, now, queue_wait_s,
+                        predicted_ttft_s, shadow_outcome)
+        self._running[ticket.key] = ticket
+        self._context_tokens += request.prompt_tokens
+        self._schedule = None
+        return ticket
+
+    def _grow(self, ticket: Ticket) -> None:
+        tokens = ticket.request.prompt_tokens + ticket.output_tokens
+        blocks = self.cost_model.blocks(tokens, ticket.request.sequences)
+        if blocks > ticket.reservation.blocks:
+            ticket.reservation.resize(blocks)
+            ticket.cost = replace(ticket.cost, output_tokens=ticket.output_tokens,
+                                  kv_blocks=blocks)
+            self._schedule = None
+
+    def _progressed(self, ticket: Ticket, added_tokens: int) -> None:
+        if ticket.key in self._running:
+            self._context_tokens += added_tokens
+
+    def _finished(self, ticket: Ticket, completed: bool) -> None:
+        if self._running.pop(ticket.key, None) is not None:
+            self._context_tokens -= ticket.request.prompt_tokens + ticket.output_tokens
+        ticket.reservation.release()
+        if completed and ticket.output_tokens > 0:
+            self.output_policy.observe(ticket.request.tenant, ticket.output_tokens)
+            self._outputs.observe(ticket.request.tenant, ticket.output_tokens)
+        self._schedule = None
+        self._dispatch()
+
+    def _admit_shadow(
+        self, request: AdmissionRequest, cost: RequestCost | None, decision: Decision | None,
+        now: float,
+    ) -> Ticket:
+        verdict = Outcome.ADMITTED if decision is None else decision.outcome
+        reported = decision or Decision(Outcome.ADMITTED, "enough KV headroom", None,
+                                        self._details(cost) if cost else {})
+        self.listener.decided(reported, shadow=True)
+        if cost is None:
+            cost = self.cost_model.cost(request.prompt_tokens, max(0, (request.max_tokens or 0)),
+                                        request.sequences)
+        ticket = self._start(request, cost, now, queue_wait_s=0.0,
+                             predicted_ttft_s=cost.prefill_s, shadow_outcome=verdict)
+        self._report(self._admitted_decision(ticket))
+        return ticket
+
+    # ---- predictions -------------------------------------------------------------------
+
+    def _mean_context(self) -> int:
+        if not self._running:
+            return 0
+        return self._context_tokens // len(self._running)
+
+    def _expected_output(self, ticket: Ticket) -> int:
+        typical = self._outputs.reserve(ticket.request.prompt_tokens, None,
+                                        self.cost_model.max_model_len, ticket.request.tenant)
+        reserved = ticket.cost.output_tokens
+        if typical >= self.cost_model.max_model_len - ticket.request.prompt_tokens:
+            typical = reserved  # too few observations: assume the reservation
+        return max(ticket.output_tokens + 1, min(reserved, typical))
+
+    def running_requests(self) -> list[RunningRequest]:
+        now = self.clock()
+        batch = max(1, len(self._running))
+        tpot = self.cost_model.tpot_s(batch, self._mean_context())
+        views = []
+        for ticket in self._running.values():
+            request = ticket.request
+            expected = self._expected_output(ticket)
+            started = ticket.first_token_s or (ticket.admitted_s + ticket.cost.prefill_s)
+            remaining = max(0, expected - ticket.output_tokens)
+            finish_in = max(0.0, started - now) + remaining * tpot
+            views.append(RunningRequest(
+                blocks_now=self.cost_model.blocks(request.prompt_tokens + ticket.output_tokens,
+                                                  request.sequences),
+                blocks_final=self.cost_model.blocks(request.prompt_tokens + expected,
+                                                    request.sequences),
+                blocks_reserved=ticket.reservation.blocks,
+                finish_in_s=finish_in,
+            ))
+        return views
+
+    def _schedule_now(self) -> ReleaseSchedule:
+        if self._schedule is None:
+            self._schedule = ReleaseSchedule.build(self.running_requests(),
+                                                   self.ledger.capacity_blocks)
+        return self._schedule
+
+    def _growth_blocks(self) -> int:
+        growth = 0
+        for ticket in self._running.values():
+            now_blocks = self.cost_model.blocks(
+                ticket.request.prompt_tokens + ticket.output_tokens, ticket.request.sequences)
+            growth += max(0, ticket.reservation.blocks - now_blocks)
+        return growth
+
+    def forecast(self) -> Forecast:
+        running = self.running_requests()
+        tracked_now = sum(r.blocks_now for r in running)
+        observed = self.ledger.observed_used_blocks
+        others = max(0, observed - tracked_now) if observed is not None else 0
+        return kv_forecast(running, self.ledger.capacity_blocks, others)
+
+    def _retry_after(self, wait_s: float) -> float:
+        if math.isinf(wait_s):
+            return self.settings.retry_after_max_s
+        return float(min(self.settings.retry_after_max_s,
+                         max(self.settings.retry_after_min_s, math.ceil(wait_s))))
+
+    # ---- reporting -------------------------------------------------------------------------
+
+    def _details(self, cost: RequestCost | None, **extra: Detail) -> dict[str, Detail]:
+        details: dict[str, Detail] = {
+            "capacity_blocks": self.ledger.capacity_blocks,
+            "target_blocks": self.ledger.target_blocks,
+            "reserved_blocks": self.ledger.reserved_blocks,
+            "headroom_blocks": self.ledger.headroom_blocks,
+            "queue_length": len(self.queue),
+        }
+        if cost is not None:
+            details.update(
+                prompt_tokens=cost.prompt_tokens,
+                reserved_output_tokens=cost.output_tokens,
+                sequences=cost.sequences,
+                kv_blocks=cost.kv_blocks,
+                predicted_prefill_s=round(cost.prefill_s, 6),
+                predicted_tpot_s=round(cost.tpot_s, 6),
+            )
+        details.update(extra)
+        return details
+
+    def _admitted_decision(self, ticket: Ticket) -> Decision:
+        return Decision(
+            Outcome.ADMITTED,
+            "admitted",
+            None,
+            {"kv_blocks": ticket.cost.kv_blocks, "queue_wait_s": ticket.queue_wait_s,
+             "predicted_ttft_s": ticket.predicted_ttft_s},
+        )
+
+    def _draining_decision(self) -> Decision:
+        remaining = 0.0
+        if self._drain_deadline_s is not None:
+            remaining = max(0.0, self._drain_deadline_s - self.clock())
+        return Decision(Outcome.DRAINING, "the sidecar is shutting down",
+                        self._retry_after(remaining))
+
+    def _report(self, decision: Decision) -> None:
+        if self.settings.mode is Mode.SHADOW and decision.outcome is not Outcome.ADMITTED:
+            return
+        self.listener.decided(decision, shadow=False)
+
+    # ---- introspection ----------------------------------------------------------------------
+
+    @property
+    def inflight(self) -> int:
+        return len(self._running)
+
+    def tickets(self) -> list[Ticket]:
+        return list(self._running.values())
+
+    def state(self) -> dict[str, object]:
+        forecast = self.forecast()
+        snapshot = self.ledger.snapshot()
+        oldest = self.queue.oldest()
+        return {
+            "mode": self.settings.mode.value,
+            "draining": self._draining,
+            "server": {
+                "available": self.server.available,
+                "num_blocks": self.server.num_blocks,
+                "used_blocks": self.server.used_blocks,
+                "running": self.server.running,
+                "waiting": self.server.waiting,
+            },
+            "ledger": {
+                "capacity_blocks": snapshot.capacity_blocks,
+                "target_blocks": snapshot.target_blocks,
+                "reserved_blocks": snapshot.reserved_blocks,
+                "observed_used_blocks": snapshot.observed_used_blocks,
+                "effective_used_blocks": snapshot.effective_used_blocks,
+                "headroom_blocks": snapshot.headroom_blocks,
+                "reservations": snapshot.reservations,
+                "overcommit_blocks": snapshot.overcommit_blocks,
+            },
+            "queue": {
+                "length": len(self.queue),
+                "blocks": self.queue.blocks,
+                "oldest_wait_s": (self.clock() - oldest.arrival_s) if oldest else 0.0,
+                "by_band_and_tenant": self.queue.summary(),
+            },
+            "inflight": len(self._running),
+            "forecast": {
+                "peak_blocks": forecast.peak_blocks,
+                "peak_ratio": forecast.peak_ratio,
+                "exhaustion_s": None if math.isinf(forecast.exhaustion_s)
+                else forecast.exhaustion_s,
+            },
+        }

@@ -1,0 +1,123 @@
+"""What one request will cost the server: KV blocks exactly as vLLM allocates them,
+prefill FLOPs and time, decode time per token.
+
+`CostModel` wraps the analytical model (`ServedModel`) and memoises the few
+functions the hot path calls, bucketing continuous inputs so that a decision costs
+microseconds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from sidecar.model import ServedModel
+
+# Buckets for memoised latency predictions: coarse enough to hit the cache,
+# fine enough to stay within a few percent.
+_PROMPT_BUCKET = 64
+_CONTEXT_BUCKET = 256
+
+
+@dataclass(frozen=True)
+class RequestCost:
+    prompt_tokens: int
+    output_tokens: int  # reserved per sequence
+    sequences: int  # n (or best_of) sequences sharing the prompt
+    kv_blocks: int  # reserved, all sequences
+    worst_case_blocks: int  # if every sequence ran to max_model_len
+    prefill_flops: float
+    prefill_s: float
+    tpot_s: float  # per output token at the batch it will join
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.output_tokens
+
+    @property
+    def decode_s(self) -> float:
+        return self.output_tokens * self.tpot_s
+
+    def gpu_seconds(self, capacity_blocks: int) -> float:
+        """The fairness charge, in GPU-seconds: the prefill holds the whole GPU for
+        its duration; decoding holds the request's share of the KV cache (its blocks
+        over the capacity) for the time it runs. Prefill tokens and KV block-seconds,
+        not request counts."""
+        hold_s = self.prefill_s + self.decode_s
+        return self.prefill_s + self.kv_blocks * hold_s / max(1, capacity_blocks)
+
+
+class CostModel:
+    def __init__(self, served: ServedModel) -> None:
+        self.served = served
+        self._blocks = lru_cache(maxsize=65_536)(served.blocks_for_request)
+        self._prefill = lru_cache(maxsize=16_384)(self._prefill_uncached)
+        self._tpot = lru_cache(maxsize=16_384)(self._tpot_uncached)
+        self._flops_per_token = 2.0 * served.arch.params_active()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.served.max_model_len
+
+    @property
+    def block_size(self) -> int:
+        return self.served.deployment.block_size
+
+    def blocks(self, tokens: int, sequences: int = 1) -> int:
+        """KV blocks `sequences` sequences of `tokens` tokens hold at their peak."""
+        if tokens <= 0:
+            return 0
+        return sequences * self._blocks(tokens)
+
+    def cost(
+        self,
+        prompt_tokens: int,
+        output_tokens: int,
+        sequences: int = 1,
+        running: int = 0,
+        mean_context: int = 0,
+    ) -> RequestCost:
+        total = prompt_tokens + output_tokens
+        return RequestCost(
+            prompt_tokens=prompt_tokens,
+            output_tokens=output_tokens,
+            sequences=sequences,
+            kv_blocks=self.blocks(total, sequences),
+            worst_case_blocks=self.blocks(max(total, self.max_model_len), sequences),
+            prefill_flops=self._flops_per_token * prompt_tokens,
+            prefill_s=self.prefill_s(prompt_tokens, running, mean_context),
+            tpot_s=self.tpot_s(running + sequences, mean_context or total),
+        )
+
+    def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int) -> int:
+        """The largest max_tokens whose reservation fits in `blocks` and max_model_len."""
+        high = self.max_model_len - prompt_tokens
+        if high <= 0 or self.blocks(prompt_tokens + 1, sequences) > blocks:
+            return 0
+        low = 1
+        while low < high:
+            mid = (low + high + 1) // 2
+            if self.blocks(prompt_tokens + mid, sequences) <= blocks:
+                low = mid
+            else:
+                high = mid - 1
+        return low
+
+    # ---- memoised latency ----------------------------------------------------------
+
+    def prefill_s(self, prompt_tokens: int, running: int = 0, mean_context: int = 0) -> float:
+        prompt = max(_PROMPT_BUCKET, -(-prompt_tokens // _PROMPT_BUCKET) * _PROMPT_BUCKET)
+        context = (mean_context // _CONTEXT_BUCKET) * _CONTEXT_BUCKET
+        return self._prefill(prompt, running, context) * prompt_tokens / prompt
+
+    def tpot_s(self, batch: int, mean_context: int) -> float:
+        context = max(1, (mean_context // _CONTEXT_BUCKET) * _CONTEXT_BUCKET)
+        return self._tpot(max(1, batch), context)
+
+    def _prefill_uncached(self, prompt: int, running: int, context: int) -> float:
+        phase = self.served.ttft(prompt, (max(1, context),) * running)
+        return 0.0 if phase is None else phase.seconds
+
+    def _tpot_uncached(self, batch: int, context: int) -> float:
+        phase = self.served.tpot((context,) * batch)
+        return 0.0 if phase is None else phase.seconds

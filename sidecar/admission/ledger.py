@@ -1,0 +1,170 @@
+"""The ledger of KV reservations.
+
+Ownership: `reserve` hands out a `Reservation`; its holder settles it exactly once
+with `release()`. Releasing again does nothing and returns False, so a `finally`
+block can always release; the ledger never settles a reservation on its own. A
+reservation can grow or shrink (`resize`) while it is held.
+
+Headroom reconciles what kvgate reserved with what the server reports it really
+uses: the effective use is the larger of the reservations and the observed use
+plus the growth still to come for the running requests (prefix-cache hits make the
+observed use lower; traffic that bypasses the sidecar makes it higher).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+
+class LedgerError(RuntimeError):
+    """A broken invariant: a bug, never a user error."""
+
+
+class Reservation:
+    __slots__ = ("_ledger", "_released", "blocks", "key", "worst_case_blocks")
+
+    def __init__(self, ledger: Ledger, key: int, blocks: int, worst_case_blocks: int) -> None:
+        self._ledger = ledger
+        self._released = False
+        self.key = key
+        self.blocks = blocks
+        self.worst_case_blocks = worst_case_blocks
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    def release(self) -> bool:
+        """Give the blocks back. True the first time, False (and nothing) after."""
+        if self._released:
+            return False
+        self._released = True
+        self._ledger._settle(self)
+        return True
+
+    def resize(self, blocks: int) -> None:
+        """Hold `blocks` blocks from now on (a request that outgrew its reservation)."""
+        if self._released:
+            raise LedgerError(f"reservation {self.key} resized after release")
+        if blocks < 0:
+            raise LedgerError("a reservation cannot hold negative blocks")
+        self._ledger._adjust(self, blocks)
+
+    def __repr__(self) -> str:
+        state = "released" if self._released else "held"
+        return f"Reservation({self.key}, {self.blocks} blocks, {state})"
+
+
+@dataclass(frozen=True)
+class LedgerSnapshot:
+    capacity_blocks: int
+    target_blocks: int
+    reserved_blocks: int
+    observed_used_blocks: int | None
+    effective_used_blocks: int
+    headroom_blocks: int
+    reservations: int
+    overcommit_blocks: int
+
+
+class Ledger:
+    def __init__(self, capacity_blocks: int, target_ratio: float = 0.95) -> None:
+        if not 0.0 < target_ratio <= 1.0:
+            raise ValueError(f"KV target ratio must be in (0, 1], got {target_ratio}")
+        if capacity_blocks < 0:
+            raise ValueError("KV capacity cannot be negative")
+        self.capacity_blocks = capacity_blocks
+        self.target_ratio = target_ratio
+        self._keys = itertools.count(1)
+        self._held: dict[int, Reservation] = {}
+        self._reserved = 0
+        self._overcommit = 0
+        self.observed_used_blocks: int | None = None
+        self.observed_growth_blocks = 0
+
+    # ---- reservations --------------------------------------------------------------
+
+    def reserve(self, blocks: int, worst_case_blocks: int | None = None) -> Reservation:
+        if blocks < 0:
+            raise LedgerError("cannot reserve negative blocks")
+        worst = blocks if worst_case_blocks is None else max(blocks, worst_case_blocks)
+        reservation = Reservation(self, next(self._keys), blocks, worst)
+        self._held[reservation.key] = reservation
+        self._reserved += blocks
+        self._overcommit += worst - blocks
+        return reservation
+
+    def _settle(self, reservation: Reservation) -> None:
+        if self._held.pop(reservation.key, None) is not reservation:
+            raise LedgerError(f"{reservation!r} is not held by this ledger")
+        self._reserved -= reservation.blocks
+        self._overcommit -= reservation.worst_case_blocks - reservation.blocks
+
+    def _adjust(self, reservation: Reservation, blocks: int) -> None:
+        if self._held.get(reservation.key) is not reservation:
+            raise LedgerError(f"{reservation!r} is not held by this ledger")
+        self._overcommit -= reservation.worst_case_blocks - reservation.blocks
+        self._reserved += blocks - reservation.blocks
+        reservation.blocks = blocks
+        reservation.worst_case_blocks = max(reservation.worst_case_blocks, blocks)
+        self._overcommit += reservation.worst_case_blocks - blocks
+
+    # ---- capacity and observation --------------------------------------------------
+
+    def set_capacity(self, capacity_blocks: int) -> None:
+        if capacity_blocks < 0:
+            raise ValueError("KV capacity cannot be negative")
+        self.capacity_blocks = capacity_blocks
+
+    def observe(self, used_blocks: int | None, growth_blocks: int = 0) -> None:
+        """The server's own KV use and the growth its running requests still have."""
+        self.observed_used_blocks = used_blocks
+        self.observed_growth_blocks = max(0, growth_blocks)
+
+    # ---- questions -----------------------------------------------------------------
+
+    @property
+    def reserved_blocks(self) -> int:
+        return self._reserved
+
+    @property
+    def overcommit_blocks(self) -> int:
+        """Blocks the learned-quantile policy did not reserve (worst case - reserved)."""
+        return self._overcommit
+
+    @property
+    def reservations(self) -> int:
+        return len(self._held)
+
+    @property
+    def target_blocks(self) -> int:
+        return int(self.capacity_blocks * self.target_ratio)
+
+    @property
+    def effective_used_blocks(self) -> int:
+        if self.observed_used_blocks is None:
+            return self._reserved
+        return max(self._reserved, self.observed_used_blocks + self.observed_growth_blocks)
+
+    @property
+    def headroom_blocks(self) -> int:
+        return self.target_blocks - self.effective_used_blocks
+
+    def fits(self, blocks: int) -> bool:
+        return blocks <= self.headroom_blocks
+
+    def held(self) -> list[Reservation]:
+        return list(self._held.values())
+
+    def snapshot(self) -> LedgerSnapshot:
+        return LedgerSnapshot(
+            capacity_blocks=self.capacity_blocks,
+            target_blocks=self.target_blocks,
+            reserved_blocks=self._reserved,
+            observed_used_blocks=self.observed_used_blocks,
+            effective_used_blocks=self.effective_used_blocks,
+            headroom_blocks=self.headroom_blocks,
+            reservations=len(self._held),
+            overcommit_blocks=self._overcommit,
+        )

@@ -1,0 +1,337 @@
+"""The admission controller's decisions, one behaviour at a time."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from sidecar.admission import (
+    AdmissionRequest,
+    Decision,
+    Mode,
+    Outcome,
+    QueueLimits,
+    Rejected,
+    ServerState,
+)
+from support.admission_fixtures import FakeClock, FakeClockLoop, controller
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.decisions: list[tuple[Outcome, bool]] = []
+        self.waits: list[float] = []
+
+    def decided(self, decision: Decision, *, shadow: bool) -> None:
+        self.decisions.append((decision.outcome, shadow))
+
+    def queue_wait(self, seconds: float) -> None:
+        self.waits.append(seconds)
+
+
+def run(coro: object) -> object:
+    return asyncio.run(coro)  # type: ignore[arg-type]
+
+
+async def admit(ctl: object, **kwargs: object) -> object:
+    return await ctl.admit(AdmissionRequest(**kwargs))  # type: ignore[attr-defined]
+
+
+def test_admit_reserves_blocks_as_vllm_allocates_and_finish_releases() -> None:
+    ctl = controller(num_blocks=64)
+
+    async def scenario() -> None:
+        ticket = await admit(ctl, prompt_tokens=100, max_tokens=60)
+        # 160 tokens in blocks of 16: 10 blocks.
+        assert ticket.cost.kv_blocks == 10  # type: ignore[attr-defined]
+        assert ctl.ledger.reserved_blocks == 10
+        assert ticket.finish() is True  # type: ignore[attr-defined]
+        assert ticket.finish() is False  # type: ignore[attr-defined]
+        assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.reservations == 0
+
+    run(scenario())
+
+
+def test_never_fits_tells_the_largest_max_tokens() -> None:
+    ctl = controller(num_blocks=64)
+
+    async def scenario() -> None:
+        # 63 usable blocks x 0.95 = 59 blocks of 16 = 944 tokens for one request.
+        with pytest.raises(Rejected) as too_long:
+            await admit(ctl, prompt_tokens=900, max_tokens=200)
+        decision = too_long.value.decision
+        assert decision.outcome is Outcome.NEVER_FITS
+        # max_model_len allows 124 more tokens, the cache only 44.
+        assert decision.details["largest_max_tokens"] == 44
+        assert "max_model_len (1024)" in decision.reason and decision.retry_after_s is None
+        # 4 sequences of 300 tokens need 76 blocks; 4 x 224 tokens fit in 59 blocks.
+        with pytest.raises(Rejected) as too_big:
+            await admit(ctl, prompt_tokens=200, max_tokens=100, sequences=4)
+        assert too_big.value.decision.outcome is Outcome.NEVER_FITS
+        assert too_big.value.decision.details["largest_max_tokens"] == 24
+
+    run(scenario())
+
+
+def test_no_max_tokens_reserves_up_to_max_model_len_by_default() -> None:
+    ctl = controller(num_blocks=128)
+
+    async def scenario() -> None:
+        ticket = await admit(ctl, prompt_tokens=100)
+        assert ticket.reserved_output_tokens == 924  # type: ignore[attr-defined]
+        assert ticket.cost.kv_blocks == 64  # type: ignore[attr-defined]
+
+    run(scenario())
+
+
+def test_queue_then_admit_when_kv_frees_in_fcfs_order() -> None:
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock)  # 40 usable, target 38
+    loop = FakeClockLoop(clock)
+    try:
+        first = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=200))  # 32 blk
+        queued = [loop.create_task(admit(ctl, prompt_tokens=100, max_tokens=60 + i))
+                  for i in range(3)]
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(ctl.queue) == 3 and not any(t.done() for t in queued)
+        clock.advance(2.0)
+        first.finish()  # type: ignore[attr-defined]
+        loop.run_until_complete(asyncio.sleep(0))
+        done = [t for t in queued if t.done()]
+        # 38 blocks of headroom: three requests of 10-11 blocks fit.
+        assert len(done) == 3
+        keys = [t.result().key for t in queued]
+        assert keys == sorted(keys)
+        assert queued[0].result().queue_wait_s == pytest.approx(2.0)
+    finally:
+        loop.close()
+
+
+def test_queue_full_carries_a_computed_retry_after() -> None:
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_length=1))
+    loop = FakeClockLoop(clock)
+    try:
+        running = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=200))
+        running.first_token()  # type: ignore[attr-defined]
+        loop.create_task(admit(ctl, prompt_tokens=100, max_tokens=60))
+        loop.run_until_complete(asyncio.sleep(0))
+        with pytest.raises(Rejected) as full:
+            loop.run_until_complete(admit(ctl, prompt_tokens=100, max_tokens=60))
+        decision = full.value.decision
+        assert decision.outcome is Outcome.QUEUE_FULL
+        # The running request has 200 tokens left at the predicted TPOT: retry then.
+        tpot = ctl.cost_model.tpot_s(1, 300)
+        assert decision.retry_after_s == max(1.0, float(int(-(-200 * tpot // 1))))
+        assert decision.details["kv_blocks"] == 10
+    finally:
+        loop.close()
+
+
+def test_deadline_rejects_when_predicted_ttft_exceeds_target() -> None:
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock)
+    loop = FakeClockLoop(clock)
+    try:
+        loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=200))
+        with pytest.raises(Rejected) as late:
+            loop.run_until_complete(admit(ctl, prompt_tokens=100, max_tokens=60,
+                                          ttft_slo_s=0.001))
+        assert late.value.decision.outcome is Outcome.DEADLINE
+        assert late.value.decision.retry_after_s is not None
+        assert late.value.decision.details["predicted_ttft_s"] > 0.001  # type: ignore[operator]
+    finally:
+        loop.close()
+
+
+def test_queue_timeout_after_max_wait() -> None:
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_wait_s=5.0))
+    loop = FakeClockLoop(clock)
+    try:
+        running = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=200))
+        waiting = loop.create_task(admit(ctl, prompt_tokens=100, max_tokens=60))
+        loop.run_until_complete(asyncio.sleep(0))
+        clock.advance(5.1)
+        loop.run_until_complete(asyncio.sleep(0))
+        loop.run_until_complete(asyncio.sleep(0))
+        assert waiting.done()
+        exc = waiting.exception()
+        assert isinstance(exc, Rejected) and exc.decision.outcome is Outcome.QUEUE_TIMEOUT
+        assert len(ctl.queue) == 0
+        running.finish()  # type: ignore[attr-defined]
+        assert ctl.ledger.reserved_blocks == 0
+    finally:
+        loop.close()
+
+
+def test_cancelled_while_queued_leaves_nothing_behind() -> None:
+    clock = FakeClock()
+    recorder = Recorder()
+    ctl = controller(num_blocks=41, clock=clock)
+    ctl.listener = recorder
+    loop = FakeClockLoop(clock)
+    try:
+        running = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=200))
+        waiting = loop.create_task(admit(ctl, prompt_tokens=100, max_tokens=60))
+        loop.run_until_complete(asyncio.sleep(0))
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            loop.run_until_complete(waiting)
+        assert len(ctl.queue) == 0 and ctl.queue.blocks == 0
+        assert (Outcome.CANCELLED, False) in recorder.decisions
+        running.finish()  # type: ignore[attr-defined]
+        assert ctl.ledger.reservations == 0
+    finally:
+        loop.close()
+
+
+def test_unavailable_and_draining() -> None:
+    ctl = controller()
+
+    async def scenario() -> None:
+        ctl.update_server(ServerState(available=False))
+        with pytest.raises(Rejected) as down:
+            await admit(ctl, prompt_tokens=10, max_tokens=10)
+        assert down.value.decision.outcome is Outcome.UNAVAILABLE
+        assert down.value.decision.retry_after_s == 5.0
+        ctl.update_server(ServerState(available=True))
+        ctl.drain(timeout_s=12)
+        with pytest.raises(Rejected) as draining:
+            await admit(ctl, prompt_tokens=10, max_tokens=10)
+        assert draining.value.decision.outcome is Outcome.DRAINING
+        assert draining.value.decision.retry_after_s == 12.0
+
+    run(scenario())
+
+
+def test_server_capacity_overrides_the_model_and_observed_use_is_pessimistic() -> None:
+    ctl = controller(num_blocks=64)
+
+    async def scenario() -> None:
+        ctl.update_server(ServerState(num_blocks=21))  # 20 usable -> target 19
+        assert ctl.ledger.target_blocks == 19
+        ticket = await admit(ctl, prompt_tokens=100, max_tokens=60)  # 10 blocks
+        # The server reports 15 blocks in use (traffic that bypasses the sidecar).
+        ctl.update_server(ServerState(num_blocks=21, used_blocks=15))
+        assert ctl.ledger.effective_used_blocks >= 15
+        task = asyncio.create_task(admit(ctl, prompt_tokens=100, max_tokens=60))
+        await asyncio.sleep(0)
+        assert not task.done()  # 19 - (15 + growth) < 10
+        ticket.finish()  # type: ignore[attr-defined]
+        ctl.update_server(ServerState(num_blocks=21, used_blocks=0))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert task.done()
+        task.result().finish()
+
+    run(scenario())
+
+
+def test_priority_bands_go_first_and_starvation_is_bounded() -> None:
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock, starvation_bound_s=10.0)
+    loop = FakeClockLoop(clock)
+    try:
+        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=200))
+        low = loop.create_task(admit(ctl, prompt_tokens=300, max_tokens=200, band=2))
+        loop.run_until_complete(asyncio.sleep(0))
+        clock.advance(1.0)
+        high = loop.create_task(admit(ctl, prompt_tokens=300, max_tokens=200, band=0))
+        loop.run_until_complete(asyncio.sleep(0))
+        blocker.finish()  # type: ignore[attr-defined]
+        loop.run_until_complete(asyncio.sleep(0))
+        assert high.done() and not low.done()  # the important band went first
+        clock.advance(20.0)  # low has now waited beyond the bound
+        again = loop.create_task(admit(ctl, prompt_tokens=300, max_tokens=200, band=0))
+        loop.run_until_complete(asyncio.sleep(0))
+        high.result().finish()
+        loop.run_until_complete(asyncio.sleep(0))
+        assert low.done() and not again.done()  # the starved band went first
+        low.result().finish()
+        loop.run_until_complete(asyncio.sleep(0))
+        again.result().finish()
+    finally:
+        loop.close()
+
+
+def test_cost_fairness_between_tenants() -> None:
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_wait_s=1e6))
+    loop = FakeClockLoop(clock)
+    try:
+        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=100))
+        heavy = [loop.create_task(admit(ctl, prompt_tokens=300, max_tokens=200, tenant="a"))
+                 for _ in range(3)]
+        light = [loop.create_task(admit(ctl, prompt_tokens=50, max_tokens=30, tenant="b"))
+                 for _ in range(3)]
+        loop.run_until_complete(asyncio.sleep(0))
+        order: list[str] = []
+        blocker.finish()  # type: ignore[attr-defined]
+        for _ in range(12):
+            loop.run_until_complete(asyncio.sleep(0))
+            for name, tasks in (("a", heavy), ("b", light)):
+                for task in tasks:
+                    if task.done() and not getattr(task, "_seen", False):
+                        task._seen = True  # type: ignore[attr-defined]
+                        order.append(name)
+                        task.result().finish()
+        # Tenant b's cheap requests are not starved behind a's expensive ones.
+        assert order.index("b") < 2
+        assert sorted(order) == ["a"] * 3 + ["b"] * 3
+    finally:
+        loop.close()
+
+
+def test_shadow_mode_admits_everything_and_records_verdicts() -> None:
+    recorder = Recorder()
+    ctl = controller(num_blocks=41, mode=Mode.SHADOW)
+    ctl.listener = recorder
+
+    async def scenario() -> None:
+        tickets = [await admit(ctl, prompt_tokens=300, max_tokens=200) for _ in range(3)]
+        assert ctl.ledger.reserved_blocks == 96  # beyond the 38-block target: shadow
+        shadow = [o for o, s in recorder.decisions if s]
+        assert shadow[0] is Outcome.ADMITTED and Outcome.QUEUED in shadow
+        assert [t.shadow_outcome for t in tickets][0] is Outcome.ADMITTED  # type: ignore[attr-defined]
+        for ticket in tickets:
+            ticket.finish()  # type: ignore[attr-defined]
+        assert ctl.ledger.reserved_blocks == 0
+
+    run(scenario())
+
+
+def test_learned_quantile_reserves_less_and_grows_when_outgrown() -> None:
+    ctl = controller(num_blocks=1025, output_policy="quantile", max_overcommit_ratio=0.5)
+
+    async def scenario() -> None:
+        for _ in range(30):
+            ticket = await admit(ctl, prompt_tokens=50)
+            ticket.finish(output_tokens=100)  # type: ignore[attr-defined]
+        ticket = await admit(ctl, prompt_tokens=50)
+        assert ticket.reserved_output_tokens == 100  # type: ignore[attr-defined]
+        before = ticket.reservation.blocks  # type: ignore[attr-defined]
+        ticket.progress(400)  # type: ignore[attr-defined]
+        assert ticket.reservation.blocks > before  # type: ignore[attr-defined]
+        ticket.finish()  # type: ignore[attr-defined]
+        assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.overcommit_blocks == 0
+
+    run(scenario())
+
+
+def test_forecast_peak_ratio_and_exhaustion() -> None:
+    ctl = controller(num_blocks=41, mode=Mode.SHADOW)
+
+    async def scenario() -> None:
+        tickets = [await admit(ctl, prompt_tokens=16, max_tokens=400) for _ in range(3)]
+        forecast = ctl.forecast()
+        # Three requests growing to 26 blocks each in a 40-block cache.
+        assert forecast.peak_ratio == pytest.approx(78 / 40, rel=0.05)
+        assert 0 < forecast.exhaustion_s < float("inf")
+        for ticket in tickets:
+            ticket.finish()  # type: ignore[attr-defined]
+        calm = ctl.forecast()
+        assert calm.peak_ratio == 0 and calm.exhaustion_s == float("inf")
+
+    run(scenario())

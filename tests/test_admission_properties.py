@@ -1,0 +1,224 @@
+"""Stateful property tests of the admission core over random interleavings of
+arrive, finish, fail, cancel, progress, time passing and capacity changes."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from sidecar.admission import (
+    AdmissionRequest,
+    Outcome,
+    QueueLimits,
+    Rejected,
+    ServerState,
+    Ticket,
+)
+from sidecar.admission.queue import Entry
+from support.admission_fixtures import FakeClock, FakeClockLoop, controller
+
+BOUND_S = 20.0
+
+
+@dataclass
+class Pending:
+    task: asyncio.Task[Ticket]
+    request: AdmissionRequest
+    seq: int
+
+
+class AdmissionMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = FakeClock()
+        self.loop = FakeClockLoop(self.clock)
+        self.ctl = controller(
+            num_blocks=41, clock=self.clock, starvation_bound_s=BOUND_S,
+            limits=QueueLimits(max_length=12, max_wait_s=60.0),
+        )
+        self.pending: list[Pending] = []
+        self.running: list[tuple[Ticket, Pending]] = []
+        self.admitted: list[tuple[Ticket, Pending]] = []
+        self.seq = itertools.count()
+        self.allowed_excess = 0
+        self.starvation_violations: list[str] = []
+        original_pop = self.ctl.queue.pop
+
+        def checked_pop(now_s: float) -> Entry | None:
+            entry = self.ctl.queue.peek(now_s)
+            if entry is not None:
+                starved = [e for e in self.ctl.queue.entries() if now_s - e.arrival_s > BOUND_S]
+                if starved:
+                    oldest = min(starved, key=lambda e: e.arrival_s)
+                    if entry.band != oldest.band:
+                        self.starvation_violations.append(
+                            f"band {oldest.band} waited {now_s - oldest.arrival_s:.1f}s but "
+                            f"band {entry.band} went first")
+            return original_pop(now_s)
+
+        self.ctl.queue.pop = checked_pop  # type: ignore[method-assign]
+
+    def settle(self) -> None:
+        for _ in range(6):
+            self.loop.run_until_complete(asyncio.sleep(0))
+        still = []
+        for item in self.pending:
+            if not item.task.done():
+                still.append(item)
+            elif not item.task.cancelled() and item.task.exception() is None:
+                ticket = item.task.result()
+                self.running.append((ticket, item))
+                self.admitted.append((ticket, item))
+            elif not item.task.cancelled():
+                assert isinstance(item.task.exception(), Rejected)
+        self.pending = still
+
+    @rule(prompt=st.integers(1, 500), output=st.none() | st.integers(1, 500),
+          band=st.integers(0, 2), tenant=st.sampled_from("abc"),
+          slo=st.none() | st.floats(0.5, 100))
+    def arrive(self, prompt: int, output: int | None, band: int, tenant: str,
+               slo: float | None) -> None:
+        request = AdmissionRequest(prompt, output, band=band, tenant=tenant, ttft_slo_s=slo)
+        task = self.loop.create_task(self.ctl.admit(request))
+        self.pending.append(Pending(task, request, next(self.seq)))
+        self.settle()
+
+    @precondition(lambda self: self.running)
+    @rule(index=st.integers(0, 100), completed=st.booleans(), tokens=st.integers(0, 600))
+    def finish(self, index: int, completed: bool, tokens: int) -> None:
+        ticket, _ = self.running.pop(index % len(self.running))
+        assert ticket.finish(tokens, completed=completed) is True
+        assert ticket.finish() is False
+        assert ticket.reservation.released and ticket.reservation.release() is False
+        self.settle()
+
+    @precondition(lambda self: self.running)
+    @rule(index=st.integers(0, 100), tokens=st.integers(1, 600))
+    def progress(self, index: int, tokens: int) -> None:
+        ticket, _ = self.running[index % len(self.running)]
+        ticket.first_token()
+        ticket.progress(self.output_limit(ticket, tokens))
+
+    def output_limit(self, ticket: Ticket, tokens: int) -> int:
+        # The server stops at max_tokens, which the worst-case policy reserves.
+        return min(tokens, ticket.reserved_output_tokens)
+
+    @precondition(lambda self: self.pending)
+    @rule(index=st.integers(0, 100))
+    def cancel(self, index: int) -> None:
+        self.pending[index % len(self.pending)].task.cancel()
+        self.settle()
+
+    @rule(num_blocks=st.integers(10, 80))
+    def capacity_change(self, num_blocks: int) -> None:
+        self.allowed_excess = max(self.allowed_excess, self.ctl.ledger.reserved_blocks)
+        self.ctl.update_server(ServerState(num_blocks=num_blocks))
+        self.settle()
+
+    @rule(seconds=st.floats(0.0, 30.0))
+    def time_passes(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        self.settle()
+
+    @invariant()
+    def reserved_never_exceeds_target(self) -> None:
+        ledger = self.ctl.ledger
+        assert ledger.reserved_blocks <= max(ledger.target_blocks, self.allowed_excess)
+        # Reservations made before a capacity cut drain away; new ones respect the target.
+        self.allowed_excess = min(self.allowed_excess, ledger.reserved_blocks)
+
+    @invariant()
+    def every_admitted_request_holds_exactly_one_reservation(self) -> None:
+        assert self.ctl.ledger.reservations == len(self.running) == self.ctl.inflight
+        assert self.ctl.ledger.reserved_blocks == sum(t.reservation.blocks
+                                                      for t, _ in self.running)
+
+    @invariant()
+    def queue_matches_waiting_clients(self) -> None:
+        assert len(self.ctl.queue) == len(self.pending)
+        assert self.ctl.queue.blocks >= 0
+
+    @invariant()
+    def no_band_starves_beyond_its_bound(self) -> None:
+        assert not self.starvation_violations, self.starvation_violations
+
+    @invariant()
+    def fcfs_within_band_and_tenant(self) -> None:
+        groups: dict[tuple[int, str], list[tuple[int, int]]] = {}
+        for ticket, item in self.admitted:
+            groups.setdefault((item.request.band, item.request.tenant), []).append(
+                (item.seq, ticket.key))
+        for admitted in groups.values():
+            by_arrival = [key for _, key in sorted(admitted)]
+            assert by_arrival == sorted(by_arrival)
+
+    def teardown(self) -> None:
+        try:
+            for item in self.pending:
+                item.task.cancel()
+            self.settle()
+            for ticket, _ in self.running:
+                ticket.finish(completed=False)
+            self.running.clear()
+            self.settle()
+            # Nothing runs, nothing waits: the ledger is back at zero.
+            assert self.ctl.ledger.reserved_blocks == 0
+            assert self.ctl.ledger.reservations == 0
+            assert self.ctl.ledger.overcommit_blocks == 0
+            assert len(self.ctl.queue) == 0 and self.ctl.queue.blocks == 0
+        finally:
+            self.loop.close()
+
+
+AdmissionMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestAdmissionProperties = AdmissionMachine.TestCase
+
+
+class QuantileMachine(AdmissionMachine):
+    """The same invariants with the learned-quantile output policy (overcommit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ctl = controller(
+            num_blocks=41, clock=self.clock, starvation_bound_s=None,
+            output_policy="quantile", max_overcommit_ratio=0.3,
+            limits=QueueLimits(max_length=12, max_wait_s=60.0),
+        )
+
+    @invariant()
+    def no_band_starves_beyond_its_bound(self) -> None:
+        return None
+
+    def output_limit(self, ticket: Ticket, tokens: int) -> int:
+        # Without max_tokens the server may run past the learned reservation.
+        if ticket.request.max_tokens is None:
+            return tokens
+        return min(tokens, ticket.request.max_tokens)
+
+    @invariant()
+    def reserved_never_exceeds_target(self) -> None:
+        # Requests that outgrow a learned reservation may grow past the target;
+        # admissions themselves never do.
+        ledger = self.ctl.ledger
+        grown = sum(max(0, t.reservation.blocks - t.cost.kv_blocks) for t, _ in self.running)
+        assert ledger.reserved_blocks - grown <= max(ledger.target_blocks, self.allowed_excess)
+
+
+QuantileMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestQuantileProperties = QuantileMachine.TestCase
+
+
+def test_outcomes_seen_cover_the_decision_kinds() -> None:
+    """Sanity: the machine's world produces queueing, rejections and cancellations."""
+    assert {Outcome.QUEUE_FULL, Outcome.DEADLINE, Outcome.QUEUE_TIMEOUT} <= set(Outcome)
