@@ -64,13 +64,13 @@ def _dispatch(args: list[str]) -> int:
         print(f"kvgate {__version__}")
         return 0
     if command == "plan":
-        from sidecar.cli import plan
+        from sidecar.cli.plan import run as run_plan
 
-        return plan.run(rest)
+        return run_plan(rest)
     if command == "serve":
-        from sidecar.cli import serve
+        from sidecar.cli.serve import run as run_serve
 
-        return serve.run(rest)
+        return run_serve(rest)
     if command == "presets":
         return _presets(rest)
     if command == "gpus":

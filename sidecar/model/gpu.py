@@ -7,6 +7,10 @@ checked against the data sheets. `memory_gib` is what the runtime sees
 multiplies it by `gpu_memory_utilization`. Where no start-up log gave the
 runtime figure, it is the marketing size in bytes converted to GiB minus the
 ~0.6 GiB the driver reserves, marked `memory_measured=False`.
+
+`interconnect_gbps` carries TP all-reduces between GPUs of one node (NVLink, or
+PCIe where 0). `over_network` gives the same GPU with its TP peers on other nodes:
+all-reduces then cross the data-centre network, whose every ring step adds latency.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class Gpu:
     memory_measured: bool = False
     source: str = ""
     aliases: tuple[str, ...] = ()
+    hop_latency_s: float = 0.0  # latency each all-reduce ring step adds (0 within a node)
 
     def peak_flops(self, rate: ComputeRate) -> float:
         """Dense FLOP/s at the given rate, falling back to the best lower rate."""
@@ -60,8 +65,10 @@ CATALOGUE: tuple[Gpu, ...] = (
     Gpu("A100-40GB", 39.38, 1555, 312, None, None, 300, True,
         "A100 40GB SXM data sheet; 39.38 GiB seen in vLLM start-up logs",
         ("a100-40gb", "a100-40g", "a100-sxm4-40gb", "a100 40gb")),
-    Gpu("A100-80GB", 79.15, 2039, 312, None, None, 300, False,
-        "A100 80GB SXM data sheet (PCIe: 1,935 GB/s)",
+    Gpu("A100-80GB", 79.26, 2039, 312, None, None, 300, True,
+        "A100 80GB SXM data sheet (PCIe: 1,935 GB/s); 79.26 GiB from two vLLM start-up "
+        "logs of one deployment at utilization 0.25 and 0.5 (5.01 and 24.83 GiB of KV: "
+        "0.25 x memory = 19.82 GiB; tests/data/groundtruth/latency.csv notes)",
         ("a100", "a100-80gb", "a100-80g", "a100-sxm4-80gb", "a100 80gb", "a100-sxm")),
     Gpu("A100-80GB-PCIe", 79.15, 1935, 312, None, None, 300, False, _SHEETS,
         ("a100-pcie", "a100-80gb-pcie")),
@@ -89,6 +96,27 @@ CATALOGUE: tuple[Gpu, ...] = (
         ("rtx-6000-ada", "rtx6000ada")),
     Gpu("T4", 14.58, 320, 65, None, None, 0, False, "T4 data sheet (fp16 tensor)", ("t4",)),
 )
+
+
+# TP across nodes: NCCL over the data-centre network (TCP sockets, no RDMA). Per-GPU
+# bandwidth of a 25 GbE link, and the latency one ring step adds; see over_network.
+NETWORK_GBPS = 3.125
+NETWORK_HOP_LATENCY_S = 200e-6
+
+
+def over_network(
+    gpu: Gpu,
+    bandwidth_gbps: float = NETWORK_GBPS,
+    hop_latency_s: float = NETWORK_HOP_LATENCY_S,
+) -> Gpu:
+    """The GPU with its tensor-parallel peers on other nodes.
+
+    Every all-reduce then runs over the network: a ring of p ranks takes 2(p - 1)
+    steps, each paying `hop_latency_s` (NCCL's socket transport: kernel TCP stack and
+    proxy thread, ~0.1-0.3 ms) and moving its share at `bandwidth_gbps`.
+    """
+    return replace(gpu, name=f"{gpu.name} (TP across nodes)", interconnect_gbps=bandwidth_gbps,
+                   hop_latency_s=hop_latency_s)
 
 
 def _key(name: str) -> str:

@@ -4,23 +4,38 @@ One vLLM step runs a batch of tokens: new prompt tokens of prefilling requests
 (with their causal attention over what they have so far) and one token for each
 decoding request (attending to its whole context). Its time is
 
-    max(FLOPs / (eta_compute x peak), bytes / (eta_bandwidth x bandwidth))
+    max(compute_s, memory_s) + serial_fraction x min(compute_s, memory_s)
       + tensor-parallel all-reduces + per-layer and per-step overheads
 
-where bytes are the weights streamed once per step (routed experts only in the
-share the batch touches), the KV cache the batch reads and writes, and FLOPs are
-2 x active parameters per token plus attention. The phase is "compute"-bound when
-the FLOP term is the larger one.
+with compute_s = FLOPs / (eta_compute x peak) and memory_s = bytes / (eta_bandwidth
+x bandwidth), where bytes are the weights streamed once per step (routed experts
+only in the share the batch touches), the KV cache the batch reads and writes, and
+FLOPs are 2 x active parameters per token plus attention. The phase is
+"compute"-bound when the FLOP term is the larger one.
 
-The efficiency factors are not per-model constants: their defaults were fitted once
-to the public measurements in the project's test data (see `DEFAULT_EFFICIENCY`),
-and a live sidecar refits them against the server it guards (calibration).
+The serial fraction is the part of the shorter term that does not hide under the
+longer one: 0 is the ideal roofline, 1 no overlap at all. Decode (memory_s >>
+compute_s) and long prefills (compute_s >> memory_s) barely notice it; a prefill of
+a few hundred tokens, where both terms are of a size, does: measured, a 128-token
+prompt takes ~1.3-1.5 decode steps where max() would give ~1.
+
+A request's TTFT adds the engine's fixed cost per request (`per_request_s`: API
+server, tokenizer, scheduling, detokenizing and streaming the first token), and each
+step the engine's host work (`per_step_s`). Both are properties of the serving
+engine, not of the model or GPU: `ENGINE_OVERHEADS` holds them for vLLM (the
+default, what kvgate guards) and for TensorRT-LLM (whose public measurements
+calibrate the hardware terms).
+
+The efficiency factors are not per-model or per-GPU constants: their defaults were
+fitted once to the public measurements in the project's test data (see
+`DEFAULT_EFFICIENCY`), and a live sidecar refits them against the server it guards
+(calibration).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Literal
 
@@ -44,16 +59,22 @@ class Efficiency:
     bandwidth: float  # fraction of peak memory bandwidth reached streaming weights/KV
     per_layer_s: float  # kernel launch and small-op cost per layer per step
     per_step_s: float  # scheduling, sampling and host work per engine step
-    allreduce_latency_s: float = 8e-6
+    allreduce_latency_s: float = 8e-6  # fixed cost of one TP all-reduce
+    per_request_s: float = 0.0  # engine work per request before its first token
+    serial_fraction: float = 0.0  # share of min(compute, memory) time not overlapped
 
     def __post_init__(self) -> None:
         for name in ("compute", "bandwidth"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"efficiency {name} must be in (0, 1], got {value}")
-        for name in ("per_layer_s", "per_step_s", "allreduce_latency_s"):
+        for name in ("per_layer_s", "per_step_s", "allreduce_latency_s", "per_request_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"efficiency {name} must not be negative")
+        if not 0.0 <= self.serial_fraction <= 1.0:
+            raise ValueError(
+                f"efficiency serial_fraction must be in [0, 1], got {self.serial_fraction}"
+            )
 
     def as_dict(self) -> dict[str, float]:
         return {name: getattr(self, name) for name in _EFFICIENCY_FIELDS}
@@ -70,17 +91,56 @@ class Efficiency:
                 values[name] = float(value)
         return Efficiency(**values)
 
+    def for_engine(self, engine: str) -> Efficiency:
+        """These hardware efficiencies with another serving engine's fixed costs."""
+        overhead = ENGINE_OVERHEADS.get(engine)
+        if overhead is None:
+            raise ValueError(f"unknown engine {engine!r}; known: {', '.join(ENGINE_OVERHEADS)}")
+        return replace(self, per_step_s=overhead.per_step_s,
+                       per_request_s=overhead.per_request_s)
 
-_EFFICIENCY_FIELDS = ("compute", "bandwidth", "per_layer_s", "per_step_s", "allreduce_latency_s")
 
+_EFFICIENCY_FIELDS = (
+    "compute",
+    "bandwidth",
+    "per_layer_s",
+    "per_step_s",
+    "allreduce_latency_s",
+    "per_request_s",
+    "serial_fraction",
+)
+
+
+@dataclass(frozen=True)
+class EngineOverhead:
+    """Host-side costs of a serving engine, independent of model and GPU."""
+
+    per_step_s: float  # scheduler, sampler, Python/C++ runtime work per step
+    per_request_s: float  # API server, tokenizer, detokenizer: once per request
+
+
+VLLM = "vllm"
+TENSORRT_LLM = "tensorrt-llm"
+
+# Fitted with the hardware terms below; see DEFAULT_EFFICIENCY. vLLM's figures come
+# from its OpenAI server measured by benchmark_serving.py over HTTP (tokenizing the
+# prompt, a separate engine-core process, detokenizing and streaming the first
+# token); TensorRT-LLM's from its C++ static-batch benchmark, without a server.
+ENGINE_OVERHEADS: Mapping[str, EngineOverhead] = {
+    VLLM: EngineOverhead(per_step_s=1.2e-3, per_request_s=25e-3),
+    TENSORRT_LLM: EngineOverhead(per_step_s=0.6e-3, per_request_s=1e-3),
+}
 
 # Fitted to tests/data/groundtruth/latency.csv (single-request rows on A100, H100,
 # H200, GH200, L40, L40S; TensorRT-LLM and vLLM) by `bench/model_accuracy.py --fit`.
 DEFAULT_EFFICIENCY = Efficiency(
-    compute=0.62,
-    bandwidth=0.80,
-    per_layer_s=45e-6,
-    per_step_s=0.6e-3,
+    compute=0.52,
+    bandwidth=0.75,
+    per_layer_s=30e-6,
+    per_step_s=ENGINE_OVERHEADS[VLLM].per_step_s,
+    allreduce_latency_s=12e-6,
+    per_request_s=ENGINE_OVERHEADS[VLLM].per_request_s,
+    serial_fraction=0.35,
 )
 
 
@@ -100,10 +160,14 @@ class StepCost:
     memory_s: float
     communication_s: float
     overhead_s: float
+    serial_fraction: float = 0.0
 
     @property
     def seconds(self) -> float:
-        return max(self.compute_s, self.memory_s) + self.communication_s + self.overhead_s
+        busy = max(self.compute_s, self.memory_s) + self.serial_fraction * min(
+            self.compute_s, self.memory_s
+        )
+        return busy + self.communication_s + self.overhead_s
 
     @property
     def bound(self) -> Bound:
@@ -166,16 +230,24 @@ class Roofline:
             memory_s=memory_s,
             communication_s=self._allreduce_s(new_tokens),
             overhead_s=eff.per_step_s + eff.per_layer_s * arch.num_layers,
+            serial_fraction=eff.serial_fraction,
         )
 
     def _allreduce_s(self, tokens: int) -> float:
+        """Two ring all-reduces per layer (after attention and after the MLP).
+
+        A ring over p ranks takes 2(p - 1) steps, each moving payload/p per GPU: a
+        fixed cost per all-reduce, the bytes over the link, and - when the TP peers
+        sit on other nodes - the network's latency for every step of the ring.
+        """
         if self.tp <= 1:
             return 0.0
         link = (self.gpu.interconnect_gbps or _PCIE_GBPS) * 1e9
         payload = tokens * self.arch.hidden_size * 2  # bf16 activations
-        ring = 2 * (self.tp - 1) / self.tp * payload / link
-        per_layer = 2 * (self.efficiency.allreduce_latency_s + ring)
-        return per_layer * self.arch.num_layers
+        ring_steps = 2 * (self.tp - 1)
+        ring = ring_steps / self.tp * payload / link
+        latency = self.efficiency.allreduce_latency_s + ring_steps * self.gpu.hop_latency_s
+        return 2 * (latency + ring) * self.arch.num_layers
 
     # ---- request-level views ---------------------------------------------------
 
@@ -198,7 +270,7 @@ class Roofline:
             size = max(1, min(budget, prompt_tokens - done))
             steps.append(self.step([Prefill(size, cached_tokens + done)], running_contexts))
             done += size
-        return PhaseCost.of(steps)
+        return PhaseCost.of(steps, self.efficiency.per_request_s)
 
     def decode(self, contexts: Sequence[int]) -> PhaseCost:
         """One decode step for a batch of sequences with these context lengths."""
@@ -218,9 +290,10 @@ class PhaseCost:
         return "compute" if self.compute_s >= self.memory_s else "memory"
 
     @staticmethod
-    def of(steps: Sequence[StepCost]) -> PhaseCost:
+    def of(steps: Sequence[StepCost], fixed_s: float = 0.0) -> PhaseCost:
+        """The steps' total, plus `fixed_s` spent outside them (per-request work)."""
         return PhaseCost(
-            sum(step.seconds for step in steps),
+            fixed_s + sum(step.seconds for step in steps),
             sum(step.compute_s for step in steps),
             sum(step.memory_s for step in steps),
         )

@@ -1,0 +1,83 @@
+"""A robust online line fit: y = slope x + intercept.
+
+- decay: every observation first multiplies the accumulated weights by
+  0.5 ** (1 / half_life), so the fit follows a server that changes;
+- bounded influence: an observation far from the current line (beyond `huber_k`
+  robust scales) counts with weight k s / |r| (Huber), so one outlier moves little;
+- a prior: a ridge pull toward (prior_slope, prior_intercept) worth `prior_weight`
+  observations, so the fit starts from the analytical model and moves only with
+  evidence, and stays put where the data cannot tell (all x alike);
+- bounds: the result is clamped to physically meaningful ranges.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class RobustLine:
+    prior_slope: float
+    prior_intercept: float
+    slope_bounds: tuple[float, float]
+    intercept_bounds: tuple[float, float]
+    prior_weight: float = 5.0
+    half_life: float = 200.0
+    huber_k: float = 2.0
+    # accumulated weighted sums
+    sw: float = 0.0
+    swx: float = 0.0
+    swy: float = 0.0
+    swxx: float = 0.0
+    swxy: float = 0.0
+    x_ref: float = 0.0
+    scale: float = 0.0
+    observations: int = 0
+
+    def estimate(self) -> tuple[float, float]:
+        x_ref = self.x_ref or 1.0
+        lam_a = self.prior_weight * x_ref * x_ref
+        lam_b = self.prior_weight
+        a11 = self.swxx + lam_a
+        a12 = self.swx
+        a22 = self.sw + lam_b
+        r1 = self.swxy + lam_a * self.prior_slope
+        r2 = self.swy + lam_b * self.prior_intercept
+        det = a11 * a22 - a12 * a12
+        if det <= 0 or not math.isfinite(det):
+            return self.prior_slope, self.prior_intercept
+        slope = (r1 * a22 - a12 * r2) / det
+        intercept = (a11 * r2 - a12 * r1) / det
+        low, high = self.slope_bounds
+        slope = min(high, max(low, slope))
+        low, high = self.intercept_bounds
+        # With the slope clamped, re-fit the intercept alone.
+        intercept = (self.swy - slope * self.swx + lam_b * self.prior_intercept) / (
+            self.sw + lam_b
+        )
+        intercept = min(high, max(low, intercept))
+        return slope, intercept
+
+    def observe(self, x: float, y: float, weight: float = 1.0) -> bool:
+        """Add an observation; False (and nothing) when it is not usable."""
+        if not (math.isfinite(x) and math.isfinite(y)) or x <= 0 or y <= 0 or weight <= 0:
+            return False
+        slope, intercept = self.estimate()
+        residual = y - (slope * x + intercept)
+        if self.scale <= 0:
+            self.scale = max(0.25 * y, 1e-6)
+        limit = self.huber_k * self.scale
+        influence = 1.0 if abs(residual) <= limit else limit / abs(residual)
+        decay = 0.5 ** (1.0 / self.half_life)
+        w = weight * influence
+        self.sw = self.sw * decay + w
+        self.swx = self.swx * decay + w * x
+        self.swy = self.swy * decay + w * y
+        self.swxx = self.swxx * decay + w * x * x
+        self.swxy = self.swxy * decay + w * x * y
+        self.x_ref = x if self.observations == 0 else 0.9 * self.x_ref + 0.1 * x
+        # Robust scale: a decaying mean of the bounded absolute residuals.
+        self.scale = 0.95 * self.scale + 0.05 * max(min(abs(residual), 3 * limit), 1e-9)
+        self.observations += 1
+        return True

@@ -1,0 +1,89 @@
+"""`kvgate serve`: the sidecar in front of a vLLM server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Sequence
+from typing import Any, get_args
+
+from sidecar.cli.args import Parser
+from sidecar.model import ModelError
+from sidecar.server.app import serve
+from sidecar.server.settings import (
+    BOOLEAN_FIELDS,
+    FIELDS,
+    SettingsError,
+    env_name,
+    flag_name,
+    load_settings,
+)
+
+DESCRIPTION = """\
+Run kvgate in front of one vLLM server. Generation requests (/v1/chat/completions,
+/v1/completions, /v1/responses, /v1/messages) are admitted, queued or rejected by
+predicting their KV-cache and latency cost from the model's config.json, the GPU's
+figures and what the server reports about itself; everything else is proxied as is.
+
+Every option can also be set by an environment variable (shown in brackets) or in a
+YAML file given by --config (keys are the option names with underscores);
+the command line wins over the environment, which wins over the file.
+"""
+
+EPILOG = """\
+routes: /healthz (alive), /readyz (upstream reachable and capacity known), /metrics,
+/kvgate/v1/state, /kvgate/v1/plan, /kvgate/v1/calibration
+
+examples:
+  kvgate serve --upstream http://127.0.0.1:8000 --gpu H100
+  kvgate serve --upstream http://127.0.0.1:8000 --model-config /models/qwen3-8b \\
+      --gpu L40S --mode shadow --port 8080
+  KVGATE_UPSTREAM=http://127.0.0.1:8000 KVGATE_GPU=A100-80GB kvgate serve
+"""
+
+
+def build_parser(prog: str = "kvgate serve") -> Parser:
+    parser = Parser(prog=prog, description=DESCRIPTION, epilog=EPILOG,
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", metavar="FILE", help="a YAML file of settings "
+                        "[KVGATE_CONFIG]")
+    for name, field in FIELDS.items():
+        flag = flag_name(name)
+        help_text = f"{field.description} [{env_name(name)}]"
+        if name in BOOLEAN_FIELDS:
+            parser.add_argument(flag, dest=name, action="store_const", const=True,
+                                default=None, help=help_text)
+            continue
+        choices = get_args(field.annotation)
+        literal = [c for c in choices if isinstance(c, str)]
+        default = field.default
+        if default is not None:
+            help_text += f" (default: {default})"
+        parser.add_argument(flag, dest=name, default=None, metavar=name.upper(),
+                            choices=literal or None, help=help_text)
+    return parser
+
+
+def run(argv: Sequence[str], prog: str = "kvgate serve") -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    cli: dict[str, Any] = {name: getattr(args, name) for name in FIELDS}
+    try:
+        settings = load_settings(cli, config_file=args.config)
+    except SettingsError as exc:
+        for line in exc.lines:
+            sys.stderr.write(f"{prog}: error: {line}\n")
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(serve(settings))
+    except ModelError as exc:
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        return 2
+    except OSError as exc:
+        sys.stderr.write(f"{prog}: error: cannot listen on {settings.host}:{settings.port} "
+                         f"({exc.strerror})\n")
+        return 2

@@ -1,0 +1,203 @@
+"""The sidecar's Prometheus metrics, on an injected registry.
+
+Names follow `kvgate_<subsystem>_<name>_<unit>`; label values are bounded and
+initialised at start. Event counts and latencies are recorded as they happen;
+state (queue, KV ledger, forecast, upstream) is read at scrape time by a
+collector, so a scrape always shows the present. With `gateway_metrics`, the
+collector also exposes the two model-server names the Gateway API Inference
+Extension / llm-d endpoint picker reads, filled with kvgate's predictive view.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from sidecar.admission import FINAL_OUTCOMES, SHADOW_OUTCOMES, Decision
+
+LATENCY_BUCKETS_S = (
+    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
+    5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)
+TPOT_BUCKETS_S = (
+    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15,
+    0.2, 0.3, 0.5, 0.75, 1.0, 2.0,
+)
+QUEUE_BUCKETS_S = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
+QUANTITIES = ("ttft", "tpot")
+
+
+@dataclass(frozen=True)
+class StateView:
+    """What the collector reads at scrape time."""
+
+    queue_requests: int
+    inflight_requests: int
+    capacity_blocks: int | None
+    reserved_blocks: int
+    used_blocks: int | None
+    forecast_peak_ratio: float
+    forecast_exhaustion_s: float
+    recommended_max_concurrency: int | None
+    upstream_up: bool
+    upstream_metrics_age_s: float
+    server_waiting: int | None
+
+
+class SidecarMetrics:
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        state: Callable[[], StateView],
+        *,
+        gateway_metrics: bool = False,
+        version: str = "",
+        mode: str = "enforce",
+    ) -> None:
+        self.registry = registry
+        self.requests = Counter(
+            "kvgate_requests", "Admission decisions by final outcome.", ["outcome"],
+            registry=registry,
+        )
+        self.shadow_decisions = Counter(
+            "kvgate_shadow_decisions",
+            "Shadow mode: what enforce mode would have decided at arrival.", ["outcome"],
+            registry=registry,
+        )
+        for outcome in FINAL_OUTCOMES:
+            self.requests.labels(outcome.value)
+        for outcome in SHADOW_OUTCOMES:
+            self.shadow_decisions.labels(outcome.value)
+        self.queue_wait_seconds = Histogram(
+            "kvgate_queue_wait_seconds", "Time admitted requests waited in the queue.",
+            buckets=QUEUE_BUCKETS_S, registry=registry,
+        )
+        self.predicted_ttft = Histogram(
+            "kvgate_predicted_ttft_seconds", "Predicted time to first token at admission.",
+            buckets=LATENCY_BUCKETS_S, registry=registry,
+        )
+        self.predicted_tpot = Histogram(
+            "kvgate_predicted_tpot_seconds", "Predicted time per output token at admission.",
+            buckets=TPOT_BUCKETS_S, registry=registry,
+        )
+        self.observed_ttft = Histogram(
+            "kvgate_observed_ttft_seconds",
+            "Observed time to first token (from admission to the first streamed token).",
+            buckets=LATENCY_BUCKETS_S, registry=registry,
+        )
+        self.observed_tpot = Histogram(
+            "kvgate_observed_tpot_seconds", "Observed time per output token after the first.",
+            buckets=TPOT_BUCKETS_S, registry=registry,
+        )
+        self.prediction_error = Histogram(
+            "kvgate_prediction_error_ratio", "Observed / predicted, per quantity.",
+            ["quantity"], buckets=RATIO_BUCKETS, registry=registry,
+        )
+        for quantity in QUANTITIES:
+            self.prediction_error.labels(quantity)
+        self.tokenize_fallback = Counter(
+            "kvgate_tokenize_fallback",
+            "Prompts counted by the fallback estimate because the server's /tokenize failed.",
+            registry=registry,
+        )
+        self.upstream_errors = Counter(
+            "kvgate_upstream_errors", "Proxied requests that failed upstream, by kind.",
+            ["kind"], registry=registry,
+        )
+        for kind in ("connect", "timeout", "disconnect", "status"):
+            self.upstream_errors.labels(kind)
+        self.info = Gauge(
+            "kvgate_info", "Constant 1, labelled with the sidecar's version, model and mode.",
+            ["version", "model", "mode"], registry=registry,
+        )
+        self._version = version
+        self._mode = mode
+        self.set_model("")
+        registry.register(_StateCollector(state, gateway_metrics))
+
+    def set_model(self, model: str) -> None:
+        self.info.clear()
+        self.info.labels(self._version, model, self._mode).set(1)
+
+    # ---- the admission core's listener ----------------------------------------------
+
+    def decided(self, decision: Decision, *, shadow: bool) -> None:
+        target = self.shadow_decisions if shadow else self.requests
+        target.labels(decision.outcome.value).inc()
+
+    def queue_wait(self, seconds: float) -> None:
+        self.queue_wait_seconds.observe(seconds)
+
+    # ---- per-request observations -------------------------------------------------
+
+    def predicted(self, ttft_s: float, tpot_s: float) -> None:
+        self.predicted_ttft.observe(ttft_s)
+        self.predicted_tpot.observe(tpot_s)
+
+    def observed(self, quantity: str, observed_s: float, predicted_s: float) -> None:
+        histogram = self.observed_ttft if quantity == "ttft" else self.observed_tpot
+        histogram.observe(observed_s)
+        if predicted_s > 0:
+            self.prediction_error.labels(quantity).observe(observed_s / predicted_s)
+
+
+class _StateCollector(Collector):
+    def __init__(self, state: Callable[[], StateView], gateway_metrics: bool) -> None:
+        self._state = state
+        self._gateway = gateway_metrics
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        view = self._state()
+
+        def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc)
+            family.add_metric([], math.nan if value is None else float(value))
+            return family
+
+        yield gauge("kvgate_queue_requests", "Requests waiting in the admission queue.",
+                    view.queue_requests)
+        yield gauge("kvgate_inflight_requests", "Admitted requests not finished yet.",
+                    view.inflight_requests)
+        yield gauge("kvgate_kv_capacity_blocks",
+                    "Usable KV cache blocks of the server (its own figure when it reports one).",
+                    view.capacity_blocks)
+        yield gauge("kvgate_kv_reserved_blocks", "KV blocks reserved by admitted requests.",
+                    view.reserved_blocks)
+        yield gauge("kvgate_kv_used_blocks", "KV blocks the server reports in use.",
+                    view.used_blocks)
+        yield gauge("kvgate_kv_forecast_peak_ratio",
+                    "Forecast peak KV use of running requests over capacity (> 1: preemption).",
+                    view.forecast_peak_ratio)
+        yield gauge("kvgate_kv_forecast_exhaustion_seconds",
+                    "Seconds until forecast KV use exceeds capacity (+Inf: never).",
+                    view.forecast_exhaustion_s)
+        yield gauge("kvgate_recommended_max_concurrency",
+                    "Concurrent requests of the observed typical size that fit the KV target.",
+                    view.recommended_max_concurrency)
+        yield gauge("kvgate_upstream_up", "1 when the model server answers, else 0.",
+                    1.0 if view.upstream_up else 0.0)
+        yield gauge("kvgate_upstream_metrics_age_seconds",
+                    "Age of the last good scrape of the server's /metrics (+Inf: never).",
+                    view.upstream_metrics_age_s)
+        if self._gateway:
+            waiting = view.queue_requests + (view.server_waiting or 0)
+            usage = 0.0
+            if view.capacity_blocks:
+                usage = min(1.0, max(view.reserved_blocks, view.used_blocks or 0,
+                                     view.forecast_peak_ratio * view.capacity_blocks)
+                            / view.capacity_blocks)
+            yield gauge("vllm:num_requests_waiting",
+                        "kvgate's predictive view: its queue plus the server's waiting requests.",
+                        waiting)
+            yield gauge("vllm:kv_cache_usage_perc",
+                        "kvgate's predictive view: max(reserved, used, forecast peak) / capacity.",
+                        usage)

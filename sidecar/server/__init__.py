@@ -1,0 +1,1 @@
+"""The aiohttp sidecar: proxy, admission wiring, health and admin routes."""

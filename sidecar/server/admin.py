@@ -1,0 +1,113 @@
+"""Health, readiness, metrics and introspection routes."""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from sidecar.cli.plan import PlanInput, compute_plan
+from sidecar.server.errors import error_response
+from sidecar.server.keys import SERVICES
+
+REGISTRY = web.AppKey("registry", CollectorRegistry)
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(status=status, text=json.dumps(data, indent=2, default=str),
+                        content_type="application/json")
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    ready, reason = request.app[SERVICES].ready
+    return _json({"ready": ready, "reason": reason}, 200 if ready else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[REGISTRY])
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@web.middleware
+async def admin_token(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Require `Authorization: Bearer <token>` on /kvgate/v1/* when a token is set."""
+    token = request.app[SERVICES].settings.admin_token
+    if token and request.path.startswith("/kvgate/"):
+        given = request.headers.get("Authorization", "")
+        expected = f"Bearer {token}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            return error_response(401, "this route needs Authorization: Bearer <admin token>",
+                                  code="unauthorized")
+    response: web.StreamResponse = await handler(request)
+    return response
+
+
+async def state(request: web.Request) -> web.Response:
+    services = request.app[SERVICES]
+    view = services.watcher.view if services.watcher else None
+    data: dict[str, Any] = {
+        "ready": services.ready[1],
+        "model": services.learned.__dict__ if services.learned else None,
+        "model_problem": services.model_problem,
+        "upstream": None if view is None else {
+            "up": view.up,
+            "last_error": view.last_error,
+            "restarts": view.restarts,
+            "metrics_age_s": view.metrics_age_s(services.clock()),
+            "kv_usage_ratio": view.metrics.kv_usage_ratio if view.metrics else None,
+            "preemptions_total": view.metrics.preemptions_total if view.metrics else None,
+        },
+        "admission": services.controller.state() if services.controller else None,
+        "efficiency": services.served.efficiency.as_dict() if services.served else None,
+    }
+    return _json(data)
+
+
+async def plan(request: web.Request) -> web.Response:
+    services = request.app[SERVICES]
+    served = services.served
+    if served is None:
+        return error_response(503, f"no model yet: {services.ready[1]}", code="unavailable")
+    query = request.query
+    try:
+        prompt = int(query.get("prompt_tokens", "1024"))
+        output = int(query.get("output_tokens", "256"))
+        concurrency = int(query.get("concurrency", "1"))
+        rate = float(query["arrival_rate"]) if "arrival_rate" in query else None
+    except ValueError:
+        return error_response(400, "prompt_tokens, output_tokens and concurrency must be "
+                              "integers, arrival_rate a number", code="invalid_request")
+    if min(prompt, output, concurrency) < 1 or (rate is not None and not rate > 0):
+        return error_response(400, "query values must be positive", code="invalid_request")
+    result = compute_plan(PlanInput(
+        served=served, sequence_tokens=served.max_model_len, prompt_tokens=prompt,
+        output_tokens=output, concurrency=concurrency, arrival_rate=rate, ttft_slo_s=None,
+        tpot_slo_s=None, kv_margin=services.settings.kv_target_ratio, chain=(),
+        prefix_cache=True,
+    ))
+    return _json(result)
+
+
+async def calibration(request: web.Request) -> web.Response:
+    services = request.app[SERVICES]
+    if services.calibrator is None or services.served is None:
+        return error_response(404, "calibration is off or no model is known yet",
+                              code="not_found")
+    return _json(services.calibrator.status(services.served))
+
+
+def add_admin_routes(app: web.Application, *, introspection: bool) -> None:
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    if introspection:
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/kvgate/v1/state", state)
+        app.router.add_get("/kvgate/v1/plan", plan)
+        app.router.add_get("/kvgate/v1/calibration", calibration)

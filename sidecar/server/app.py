@@ -1,0 +1,125 @@
+"""The composition root: wire settings, model, admission, upstream, metrics and routes
+into aiohttp applications, and run them with a graceful drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CollectorRegistry
+
+from sidecar import __version__
+from sidecar.model import ModelArchitecture, read_architecture
+from sidecar.server import admin, proxy
+from sidecar.server.keys import SERVICES, SESSION
+from sidecar.server.requests import ROUTES
+from sidecar.server.services import Services, resolve_gpu
+from sidecar.server.settings import ServeSettings
+from sidecar.upstream import UpstreamClient, UpstreamWatcher
+
+log = logging.getLogger("kvgate")
+
+WATCHER_TASK = web.AppKey("watcher_task", asyncio.Task[None])
+
+
+def build_services(settings: ServeSettings, registry: CollectorRegistry) -> Services:
+    """Resolve what can be resolved before the server answers (fails fast on bad input)."""
+    arch: ModelArchitecture | None = None
+    if settings.model:
+        arch = read_architecture(settings.model)
+    return Services(settings, registry, arch=arch, gpu=resolve_gpu(settings),
+                    version=__version__)
+
+
+def build_app(services: Services, registry: CollectorRegistry) -> web.Application:
+    settings = services.settings
+    app = web.Application(client_max_size=settings.max_body_bytes,
+                          middlewares=[admin.admin_token])
+    app[SERVICES] = services
+    app[admin.REGISTRY] = registry
+    app.cleanup_ctx.append(_upstream_context)
+    admin.add_admin_routes(app, introspection=settings.admin_port is None)
+    for path in ROUTES:
+        app.router.add_post(path, proxy.generation)
+    app.router.add_route("*", "/{tail:.*}", proxy.passthrough)
+    return app
+
+
+def build_admin_app(services: Services, registry: CollectorRegistry) -> web.Application:
+    app = web.Application(middlewares=[admin.admin_token])
+    app[SERVICES] = services
+    app[admin.REGISTRY] = registry
+    admin.add_admin_routes(app, introspection=True)
+    return app
+
+
+async def _upstream_context(app: web.Application) -> AsyncIterator[None]:
+    services = app[SERVICES]
+    settings = services.settings
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
+    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+        app[SESSION] = session
+        client = UpstreamClient(settings.upstream, session,
+                                control_timeout_s=max(2.0, settings.connect_timeout_s))
+        watcher = UpstreamWatcher(client, interval_s=settings.metrics_interval_s,
+                                  on_update=services.on_upstream)
+        services.attach(client, watcher)
+        task = asyncio.create_task(watcher.run(), name="kvgate-upstream-watcher")
+        app[WATCHER_TASK] = task
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def serve(settings: ServeSettings, *, stop: asyncio.Event | None = None) -> int:
+    """Run until SIGTERM/SIGINT (or `stop`), then drain and exit 0."""
+    registry = CollectorRegistry()
+    services = build_services(settings, registry)
+    app = build_app(services, registry)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=5.0)
+    await runner.setup()
+    sites = [web.TCPSite(runner, settings.host, settings.port, backlog=4096)]
+    admin_runner: web.AppRunner | None = None
+    if settings.admin_port is not None:
+        admin_runner = web.AppRunner(build_admin_app(services, registry), access_log=None)
+        await admin_runner.setup()
+        sites.append(web.TCPSite(admin_runner, settings.host, settings.admin_port))
+    for site in sites:
+        await site.start()
+    log.info("kvgate %s listening on %s:%d, upstream %s, mode %s", __version__, settings.host,
+             settings.port, settings.upstream, settings.mode)
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signum, stop.set)
+    try:
+        await stop.wait()
+        await drain(services, settings.drain_timeout_s)
+    finally:
+        await runner.cleanup()
+        if admin_runner is not None:
+            await admin_runner.cleanup()
+    log.info("kvgate stopped")
+    return 0
+
+
+async def drain(services: Services, timeout_s: float) -> None:
+    """Refuse new work, let running requests finish within the timeout."""
+    log.info("draining: %d requests in flight, up to %.0f s", services.active_requests,
+             timeout_s)
+    services.draining = True
+    if services.controller is not None:
+        services.controller.drain(timeout_s)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(services.idle.wait(), timeout_s)
+    if services.active_requests:
+        log.warning("drain timeout: %d requests still running are cut off",
+                    services.active_requests)

@@ -1,0 +1,67 @@
+"""Responses in OpenAI's error format, with the numbers behind kvgate's decisions."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from aiohttp import web
+
+from sidecar.admission import Decision, Outcome
+
+STATUS = {
+    Outcome.NEVER_FITS: 400,
+    Outcome.QUEUE_FULL: 429,
+    Outcome.DEADLINE: 429,
+    Outcome.QUEUE_TIMEOUT: 429,
+    Outcome.UNAVAILABLE: 503,
+    Outcome.DRAINING: 503,
+}
+ERROR_TYPE = {400: "invalid_request_error", 413: "invalid_request_error",
+              404: "not_found_error", 405: "invalid_request_error",
+              429: "rate_limit_error", 503: "service_unavailable_error",
+              502: "api_error", 504: "api_error", 401: "authentication_error"}
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    code: str,
+    param: str | None = None,
+    kvgate: Mapping[str, Any] | None = None,
+    retry_after_s: float | None = None,
+) -> web.Response:
+    body: dict[str, Any] = {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPE.get(status, "api_error"),
+            "code": code,
+            "param": param,
+        }
+    }
+    if kvgate is not None:
+        body["kvgate"] = dict(kvgate)
+    headers = {}
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
+    return web.Response(status=status, text=json.dumps(body), content_type="application/json",
+                        headers=headers)
+
+
+def rejection_response(decision: Decision) -> web.Response:
+    status = STATUS[decision.outcome]
+    param = "max_tokens" if decision.outcome is Outcome.NEVER_FITS else None
+    kvgate: dict[str, Any] = {"outcome": decision.outcome.value, **decision.details}
+    if decision.retry_after_s is not None:
+        kvgate["retry_after_s"] = decision.retry_after_s
+    return error_response(
+        status,
+        decision.reason,
+        code=decision.outcome.value,
+        param=param,
+        kvgate=kvgate,
+        retry_after_s=decision.retry_after_s if status != 400 else None,
+    )

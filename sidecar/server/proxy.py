@@ -1,0 +1,251 @@
+"""The proxy: generation routes through admission, everything else untouched.
+
+A generation request is read (bounded by --max-body-bytes), validated, its prompt
+counted by the server's own /tokenize (or the documented fallback), admitted or
+rejected by the controller, and then streamed upstream and back chunk by chunk.
+The KV reservation is released in `finally`, whatever happens: success, upstream
+failure, or the client going away (aiohttp cancels the handler, which closes the
+upstream connection so vLLM aborts the request).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict
+
+from sidecar.admission import AdmissionRequest, Rejected, Ticket
+from sidecar.server.client_headers import PRIORITY, TENANT, TTFT_SLO, parse_steering
+from sidecar.server.errors import error_response, rejection_response
+from sidecar.server.keys import SERVICES, SESSION
+from sidecar.server.requests import (
+    BadRequest,
+    GenerationRequest,
+    estimate_tokens,
+    parse_body,
+    parse_generation,
+)
+from sidecar.server.services import Services
+from sidecar.server.token_stream import TokenCounter
+from sidecar.upstream import UpstreamError
+
+log = logging.getLogger("kvgate.proxy")
+
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+    "transfer-encoding", "upgrade", "host", "content-length",
+})
+STEERING = frozenset({PRIORITY, TENANT, TTFT_SLO})
+
+
+def _forward_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
+    kept: CIMultiDict[str] = CIMultiDict()
+    for name, value in headers.items():
+        if name.lower() not in drop:
+            kept.add(name, value)
+    return kept
+
+
+def _unavailable(message: str) -> web.Response:
+    return error_response(503, message, code="unavailable", retry_after_s=5.0)
+
+
+async def _read_body(request: web.Request) -> bytes | web.Response:
+    try:
+        return await request.read()
+    except web.HTTPRequestEntityTooLarge:
+        limit = request.app[SERVICES].settings.max_body_bytes
+        return error_response(
+            413, f"request body is larger than the limit of {limit} bytes",
+            code="body_too_large",
+        )
+
+
+async def generation(request: web.Request) -> web.StreamResponse:
+    services = request.app[SERVICES]
+    with services.tracking_request():
+        return await _generation(request, services)
+
+
+async def _generation(request: web.Request, services: Services) -> web.StreamResponse:
+    raw = await _read_body(request)
+    if isinstance(raw, web.Response):
+        return raw
+    try:
+        body = parse_body(raw)
+        gen = parse_generation(request.path, body)
+        steering = parse_steering(request.headers, gen.user, services.settings.priority_bands)
+    except BadRequest as exc:
+        return error_response(400, str(exc), code="invalid_request", param=exc.param)
+    if services.draining:
+        return error_response(503, "the sidecar is shutting down", code="draining",
+                              retry_after_s=services.settings.drain_timeout_s)
+    controller = services.controller
+    if controller is None:
+        reason = services.ready[1]
+        return _unavailable(f"not ready to admit requests: {reason}")
+    if services.settings.log_prompts:
+        log.info("prompt %s: %s", request.path, body)
+    prompt_tokens = await _count_prompt(services, gen)
+    services.refresh()
+    admission = AdmissionRequest(
+        prompt_tokens=prompt_tokens,
+        max_tokens=gen.max_tokens,
+        sequences=gen.sequences * gen.prompts,
+        band=steering.band,
+        tenant=steering.tenant,
+        ttft_slo_s=steering.ttft_slo_s,
+    )
+    try:
+        ticket = await controller.admit(admission)
+    except Rejected as rejected:
+        return rejection_response(rejected.decision)
+    services.metrics.predicted(ticket.predicted_ttft_s, ticket.predicted_tpot_s)
+    return await forward(request, raw, services, ticket=ticket, gen=gen)
+
+
+async def _count_prompt(services: Services, gen: GenerationRequest) -> int:
+    """The prompt's token count (the longest of a batch), from the server's /tokenize."""
+    counts = list(gen.token_counts)
+    client = services.client
+    try:
+        if client is None:
+            raise UpstreamError("connect", "no upstream client")
+        for payload in gen.tokenize_payloads:
+            counts.append(await client.tokenize(payload))
+    except UpstreamError as exc:
+        services.metrics.tokenize_fallback.inc()
+        log.debug("tokenize failed (%s); estimating", exc)
+        texts = gen.estimate_text or ("",)
+        if gen.route == "completions":
+            counts += [estimate_tokens([text], 0) for text in texts]
+        else:
+            counts.append(estimate_tokens(texts, gen.message_count))
+    return max(counts) if counts else 1
+
+
+async def passthrough(request: web.Request) -> web.StreamResponse:
+    services = request.app[SERVICES]
+    with services.tracking_request():
+        raw = await _read_body(request)
+        if isinstance(raw, web.Response):
+            return raw
+        return await forward(request, raw, services)
+
+
+async def forward(
+    request: web.Request,
+    raw: bytes,
+    services: Services,
+    *,
+    ticket: Ticket | None = None,
+    gen: GenerationRequest | None = None,
+) -> web.StreamResponse:
+    """Send the request upstream and stream the answer back; settle the ticket."""
+    session = request.app[SESSION]
+    client = services.client
+    assert client is not None
+    settings = services.settings
+    timeout = aiohttp.ClientTimeout(
+        total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
+    )
+    counter = TokenCounter(stream=bool(gen and gen.stream), sequences=gen.sequences if gen else 1)
+    completed = False
+    sent_at = time.monotonic()
+    first_at: float | None = None
+    batch_at_start = services.controller.inflight if services.controller else 0
+    try:
+        try:
+            upstream = await session.request(
+                request.method,
+                client.url(request.rel_url.path_qs),
+                data=raw if raw else None,
+                headers=_forward_headers(request.headers, HOP_BY_HOP | STEERING),
+                timeout=timeout,
+                allow_redirects=False,
+                auto_decompress=False,
+            )
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            kind = "timeout" if isinstance(exc, TimeoutError) else "connect"
+            services.metrics.upstream_errors.labels(kind).inc()
+            if services.watcher is not None:
+                services.watcher.poke()
+            return _unavailable(f"the model server is unavailable ({exc.__class__.__name__})")
+        try:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            response.headers.update(_forward_headers(upstream.headers, HOP_BY_HOP))
+            if "Content-Length" in upstream.headers and not (gen and gen.stream):
+                response.content_length = int(upstream.headers["Content-Length"])
+            if ticket is not None:
+                response.headers["x-kvgate-queue-ms"] = f"{ticket.queue_wait_s * 1000:.1f}"
+                response.headers["x-kvgate-predicted-ttft-ms"] = (
+                    f"{ticket.predicted_ttft_s * 1000:.1f}")
+                response.headers["x-kvgate-kv-blocks"] = str(ticket.cost.kv_blocks)
+            await response.prepare(request)
+            try:
+                async for chunk in upstream.content.iter_any():
+                    if ticket is not None and counter.feed(chunk):
+                        if first_at is None:
+                            first_at = time.monotonic()
+                            ticket.first_token()
+                        ticket.progress(counter.tokens)
+                    await response.write(chunk)
+            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
+                    TimeoutError) as exc:
+                # The server died or stalled mid-response: end the stream with an error
+                # the client can see instead of leaving it hanging.
+                kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
+                services.metrics.upstream_errors.labels(kind).inc()
+                if services.watcher is not None:
+                    services.watcher.poke()
+                if gen is not None and gen.stream:
+                    message = b'{"error": {"message": "the model server failed mid-stream", ' \
+                              b'"type": "api_error", "code": "upstream_failed", "param": null}}'
+                    await response.write(b"data: " + message + b"\n\n")
+                response.force_close()
+                return response
+            await response.write_eof()
+            completed = upstream.status < 400
+            if upstream.status >= 500:
+                services.metrics.upstream_errors.labels("status").inc()
+            return response
+        finally:
+            upstream.close()
+    except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        # The client went away while we wrote to it.
+        return web.Response(status=499)
+    finally:
+        if ticket is not None:
+            counter.finish()
+            ticket.finish(counter.tokens if counter.tokens else None, completed=completed)
+            if completed:
+                _observe(services, ticket, gen, sent_at, first_at, counter, batch_at_start)
+
+
+def _observe(services: Services, ticket: Ticket, gen: GenerationRequest | None, sent_at: float,
+             first_at: float | None, counter: TokenCounter, batch_at_start: int) -> None:
+    """Predicted vs observed, for the metrics and the calibration."""
+    ended = time.monotonic()
+    tokens = counter.tokens
+    services.observe_request_size(ticket.request.prompt_tokens + tokens)
+    if first_at is None or gen is None or not gen.stream:
+        return
+    ttft = first_at - sent_at
+    services.metrics.observed("ttft", ttft, ticket.cost.prefill_s)
+    tpot = (ended - first_at) / (tokens - 1) if tokens >= 2 else None
+    if tpot is not None:
+        services.metrics.observed("tpot", tpot, ticket.predicted_tpot_s)
+    calibrator, served = services.calibrator, services.served
+    if calibrator is not None and served is not None:
+        context = ticket.request.prompt_tokens + tokens // 2
+        calibrator.observe_prefill(served, ticket.request.prompt_tokens, batch_at_start,
+                                   context, ttft)
+        if tpot is not None:
+            batch = max(1, (batch_at_start + 1 + (services.controller.inflight + 1
+                                                  if services.controller else 1)) // 2)
+            calibrator.observe_decode(served, batch, context, tpot)
+        services.apply_calibration()

@@ -1,0 +1,327 @@
+"""The running sidecar's objects and how they learn from the server.
+
+`Services` is built once per process by the composition root (`app.py`). It owns
+the admission controller (created when the server has told enough about itself:
+served model, max_model_len, block size, KV blocks), turns each watcher
+observation into the controller's `ServerState`, rebuilds the model when the
+server comes back different, and answers the metrics collector.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry
+
+from sidecar.admission import (
+    AdmissionController,
+    AdmissionSettings,
+    CostModel,
+    Mode,
+    QueueLimits,
+    ServerState,
+)
+from sidecar.calibration import CalibrationStore, Calibrator
+from sidecar.metrics import SidecarMetrics, StateView
+from sidecar.model import (
+    Deployment,
+    Gpu,
+    ModelArchitecture,
+    ModelError,
+    ServedModel,
+    custom_gpu,
+    find_gpu,
+    read_architecture,
+)
+from sidecar.model.gpu import with_overrides
+from sidecar.model.served import KV_CACHE_DTYPES
+from sidecar.server.settings import ServeSettings
+from sidecar.upstream import ModelInfo, UpstreamClient, UpstreamView, UpstreamWatcher
+
+log = logging.getLogger("kvgate")
+
+# Without GPU figures, predictions start from a fast generic device and calibrate
+# down from the live server's own timings (efficiencies can only lower a peak).
+GENERIC_DEVICE = custom_gpu(80, 8000, 2250, name="generic (no --gpu given)")
+DEFAULT_BLOCK_SIZE = 16
+CALIBRATION_PERIOD_S = 1.0
+CALIBRATION_CHANGE = 0.02
+
+
+def resolve_gpu(settings: ServeSettings) -> Gpu | None:
+    """The GPU from the settings; raises ModelError for an unknown name."""
+    if settings.gpu:
+        return with_overrides(find_gpu(settings.gpu), settings.gpu_memory_gib,
+                              settings.gpu_bandwidth_gbps, settings.gpu_tflops)
+    figures = (settings.gpu_memory_gib, settings.gpu_bandwidth_gbps, settings.gpu_tflops)
+    if all(value is not None for value in figures):
+        memory, bandwidth, tflops = figures
+        assert memory is not None and bandwidth is not None and tflops is not None
+        return custom_gpu(memory, bandwidth, tflops)
+    if any(value is not None for value in figures):
+        raise ModelError("a custom GPU needs all of --gpu-memory-gib, --gpu-bandwidth-gbps "
+                         "and --gpu-tflops")
+    return None
+
+
+@dataclass(frozen=True)
+class LearnedServer:
+    """What a model instance depends on; a change means rebuilding it."""
+
+    model_id: str
+    root: str | None
+    max_model_len: int
+    block_size: int
+    num_blocks: int | None
+    cache_dtype: str
+
+
+class Services:
+    def __init__(
+        self,
+        settings: ServeSettings,
+        registry: CollectorRegistry,
+        *,
+        arch: ModelArchitecture | None,
+        gpu: Gpu | None,
+        version: str,
+    ) -> None:
+        self.settings = settings
+        self.clock = time.monotonic
+        self.configured_arch = arch
+        self.gpu = gpu
+        self.metrics = SidecarMetrics(
+            registry, self.state_view, gateway_metrics=settings.gateway_metrics,
+            version=version, mode=settings.mode,
+        )
+        self.calibrator = (
+            Calibrator(CalibrationStore(settings.calibration_file)) if settings.calibrate
+            else None
+        )
+        self.controller: AdmissionController | None = None
+        self.served: ServedModel | None = None
+        self.learned: LearnedServer | None = None
+        self.model_problem: str | None = None
+        self.client: UpstreamClient | None = None
+        self.watcher: UpstreamWatcher | None = None
+        self.draining = False
+        self.active_requests = 0
+        self.idle = asyncio.Event()
+        self.idle.set()
+        self._typical_tokens: float | None = None
+        self._calibration_applied_at = -math.inf
+
+    # ---- wiring -----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def tracking_request(self) -> Iterator[None]:
+        """Count a proxied request while it runs (the drain waits for zero)."""
+        self.active_requests += 1
+        self.idle.clear()
+        try:
+            yield
+        finally:
+            self.active_requests -= 1
+            if self.active_requests == 0:
+                self.idle.set()
+
+    def attach(self, client: UpstreamClient, watcher: UpstreamWatcher) -> None:
+        self.client = client
+        self.watcher = watcher
+
+    def admission_settings(self) -> AdmissionSettings:
+        s = self.settings
+        return AdmissionSettings(
+            mode=Mode(s.mode),
+            kv_target_ratio=s.kv_target_ratio,
+            limits=QueueLimits(s.queue_max_length, s.queue_max_wait_s),
+            ordering=s.ordering,
+            fairness=s.fairness,
+            priority_bands=s.priority_bands,
+            starvation_bound_s=s.starvation_bound_s,
+            output_policy=s.output_policy,
+            output_quantile=s.output_quantile,
+            max_overcommit_ratio=s.max_overcommit_ratio,
+        )
+
+    # ---- learning the server ---------------------------------------------------------
+
+    def on_upstream(self, before: UpstreamView, after: UpstreamView) -> None:
+        if after.up and after.model is not None and after.metrics is not None:
+            learned = self._learned(after.model, after)
+            if learned is not None and learned != self.learned:
+                self._rebuild(learned)
+        if self.controller is not None:
+            self.controller.update_server(self._server_state(after))
+        if self.calibrator is not None and self.served is not None:
+            self.calibrator.observe_server(before, after, self.served)
+            self.apply_calibration()
+
+    def _learned(self, model: ModelInfo, view: UpstreamView) -> LearnedServer | None:
+        assert view.metrics is not None
+        cache = view.metrics.cache
+        max_len = model.max_model_len
+        if max_len is None:
+            self.model_problem = "the server's /v1/models reports no max_model_len"
+            return None
+        dtype = cache.cache_dtype if cache.cache_dtype in KV_CACHE_DTYPES else "auto"
+        return LearnedServer(
+            model_id=model.id,
+            root=model.root,
+            max_model_len=max_len,
+            block_size=cache.block_size or self.settings.block_size or DEFAULT_BLOCK_SIZE,
+            num_blocks=cache.num_gpu_blocks,
+            cache_dtype=dtype,
+        )
+
+    def _architecture(self, learned: LearnedServer) -> ModelArchitecture | None:
+        if self.configured_arch is not None:
+            return self.configured_arch
+        candidates = [c for c in (learned.root, learned.model_id) if c]
+        for candidate in candidates:
+            if candidate == learned.root and not Path(candidate).exists():
+                continue
+            try:
+                return read_architecture(candidate)
+            except ModelError:
+                continue
+        self.model_problem = (
+            f"cannot read the config of {learned.model_id!r} (model path {learned.root!r} is "
+            "not readable here and the name is not a preset): give --model-config"
+        )
+        return None
+
+    def _rebuild(self, learned: LearnedServer) -> None:
+        arch = self._architecture(learned)
+        if arch is None:
+            log.error(self.model_problem)
+            return
+        deployment = Deployment(
+            tp=self.settings.tp,
+            kv_cache_dtype=learned.cache_dtype,
+            max_model_len=learned.max_model_len,
+            block_size=learned.block_size,
+            max_num_batched_tokens=self.settings.max_num_batched_tokens,
+            num_gpu_blocks_override=learned.num_blocks,
+        )
+        try:
+            served = ServedModel(arch, deployment, self.gpu or GENERIC_DEVICE)
+            if self.calibrator is not None:
+                served = served.with_efficiency(self.calibrator.efficiency(served))
+            served.layout  # noqa: B018 - fail here, not on the first request
+        except ModelError as exc:
+            self.model_problem = f"the served model cannot be modelled: {exc}"
+            log.error(self.model_problem)
+            return
+        if self.learned is not None:
+            log.info("the server changed (%s -> %s); re-learned its model", self.learned,
+                     learned)
+        self.learned = learned
+        self.served = served
+        self.model_problem = None
+        cost_model = CostModel(served)
+        if self.controller is None:
+            self.controller = AdmissionController(
+                cost_model, self.admission_settings(), listener=self.metrics
+            )
+        else:
+            self.controller.set_cost_model(cost_model)
+        self.metrics.set_model(learned.model_id)
+
+    def apply_calibration(self, *, force: bool = False) -> None:
+        """Use the calibrated efficiencies for every prediction, at most once a second
+        and only when one of them moved by more than 2%."""
+        if self.calibrator is None or self.served is None or self.controller is None:
+            return
+        now = self.clock()
+        if not force and now - self._calibration_applied_at < CALIBRATION_PERIOD_S:
+            return
+        self._calibration_applied_at = now
+        efficiency = self.calibrator.efficiency(self.served)
+        current = self.served.efficiency.as_dict()
+        moved = any(
+            abs(new - current[name]) > CALIBRATION_CHANGE * max(abs(current[name]), 1e-9)
+            for name, new in efficiency.as_dict().items()
+        )
+        if moved:
+            self.served = self.served.with_efficiency(efficiency)
+            self.controller.set_cost_model(CostModel(self.served))
+
+    def _server_state(self, view: UpstreamView) -> ServerState:
+        fresh = view.metrics_age_s(self.clock()) <= self.settings.metrics_stale_s
+        metrics = view.metrics if fresh else None
+        num_blocks = self.learned.num_blocks if self.learned else None
+        return ServerState(
+            available=view.up,
+            num_blocks=num_blocks,
+            used_blocks=metrics.used_blocks if metrics else None,
+            running=metrics.running if metrics else None,
+            waiting=metrics.waiting if metrics else None,
+        )
+
+    def refresh(self) -> None:
+        """Re-evaluate staleness between scrapes (called before decisions that matter)."""
+        if self.watcher is not None and self.controller is not None:
+            self.controller.update_server(self._server_state(self.watcher.view))
+
+    # ---- observations ----------------------------------------------------------------
+
+    def observe_request_size(self, tokens: int) -> None:
+        if self._typical_tokens is None:
+            self._typical_tokens = float(tokens)
+        else:
+            self._typical_tokens += 0.05 * (tokens - self._typical_tokens)
+
+    # ---- readiness and state ----------------------------------------------------------
+
+    @property
+    def ready(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining"
+        view = self.watcher.view if self.watcher else None
+        if view is None or not view.up:
+            reason = view.last_error if view and view.last_error else "not reached yet"
+            return False, f"upstream unavailable: {reason}"
+        if self.controller is None or self.controller.capacity_blocks is None:
+            return False, self.model_problem or "KV capacity not known yet"
+        return True, "ready"
+
+    def state_view(self) -> StateView:
+        view = self.watcher.view if self.watcher else None
+        controller = self.controller
+        now = self.clock()
+        if controller is None:
+            return StateView(0, 0, None, 0, None, 0.0, math.inf, None,
+                             bool(view and view.up),
+                             view.metrics_age_s(now) if view else math.inf, None)
+        forecast = controller.forecast()
+        metrics = view.metrics if view else None
+        return StateView(
+            queue_requests=len(controller.queue),
+            inflight_requests=controller.inflight,
+            capacity_blocks=controller.capacity_blocks,
+            reserved_blocks=controller.ledger.reserved_blocks,
+            used_blocks=metrics.used_blocks if metrics else None,
+            forecast_peak_ratio=forecast.peak_ratio,
+            forecast_exhaustion_s=forecast.exhaustion_s,
+            recommended_max_concurrency=self.recommended_concurrency(),
+            upstream_up=bool(view and view.up),
+            upstream_metrics_age_s=view.metrics_age_s(now) if view else math.inf,
+            server_waiting=metrics.waiting if metrics else None,
+        )
+
+    def recommended_concurrency(self) -> int | None:
+        controller = self.controller
+        if controller is None or self._typical_tokens is None:
+            return None
+        per_request = controller.cost_model.blocks(max(1, round(self._typical_tokens)))
+        if per_request <= 0:
+            return None
+        return controller.ledger.target_blocks // per_request

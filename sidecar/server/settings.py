@@ -1,0 +1,188 @@
+"""`kvgate serve` settings: command line > KVGATE_* environment > YAML file > default.
+
+Every setting has one name; the flag is `--name-with-dashes`, the environment
+variable `KVGATE_NAME_WITH_UNDERSCORES` and the YAML key `name_with_underscores`
+(e.g. `--model-config`, `KVGATE_MODEL_CONFIG`, `model_config`).
+Validation reports one line per problem, naming the setting and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+
+class SettingsError(ValueError):
+    """One or more settings are invalid; `lines` has one message per problem."""
+
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+class ServeSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    upstream: str = Field(description="base URL of the vLLM server, e.g. http://127.0.0.1:8000")
+    model: str | None = Field(
+        None, description="the served model's config.json (file, directory or preset); "
+        "default: the model path /v1/models reports, when readable")
+    gpu: str | None = Field(None, description="GPU name from the catalogue (`kvgate gpus`)")
+    gpu_memory_gib: float | None = Field(None, gt=0, description="custom GPU: memory in GiB")
+    gpu_bandwidth_gbps: float | None = Field(None, gt=0, description="custom GPU: GB/s")
+    gpu_tflops: float | None = Field(None, gt=0, description="custom GPU: dense bf16 TFLOP/s")
+    tp: int = Field(1, ge=1, le=64, description="the server's tensor parallel size")
+    host: str = Field("0.0.0.0", description="listen address")
+    port: int = Field(8080, ge=1, le=65535, description="listen port")
+    admin_port: int | None = Field(
+        None, ge=1, le=65535,
+        description="serve /metrics and /kvgate/v1/* on this port instead of --port")
+    admin_token: str | None = Field(
+        None, min_length=8, description="bearer token required on /kvgate/v1/*")
+    mode: Literal["enforce", "shadow"] = Field(
+        "enforce", description="shadow admits everything and records what it would do")
+    kv_target_ratio: float = Field(
+        0.95, gt=0, le=1, description="share of the KV capacity kvgate reserves up to")
+    queue_max_length: int = Field(1000, ge=0, le=1_000_000,
+                                  description="requests that may wait for KV headroom")
+    queue_max_wait_s: float = Field(60.0, gt=0, description="longest wait before rejection")
+    ordering: Literal["fcfs", "edf"] = Field(
+        "fcfs", description="order within a tenant: first come first served, or earliest "
+        "deadline (x-kvgate-ttft-slo-ms)")
+    fairness: Literal["cost", "none"] = Field(
+        "cost", description="between tenants: by predicted GPU cost served, or none")
+    priority_bands: int = Field(3, ge=1, le=10, description="number of priority bands")
+    starvation_bound_s: float | None = Field(
+        30.0, gt=0, description="longest a lower band waits behind higher ones")
+    output_policy: Literal["worst-case", "quantile"] = Field(
+        "worst-case", description="KV reserved for requests without max_tokens")
+    output_quantile: float = Field(0.9, gt=0, le=1,
+                                   description="quantile of observed output lengths")
+    max_overcommit_ratio: float = Field(
+        0.1, ge=0, le=1, description="share of capacity the quantile policy may leave unreserved")
+    block_size: int | None = Field(None, ge=1, description="KV block size if the server "
+                                   "does not report it")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="the server's --max-num-batched-tokens (sliding-window caps)")
+    metrics_interval_s: float = Field(1.0, gt=0, le=60,
+                                      description="how often to scrape the server's /metrics")
+    metrics_stale_s: float = Field(10.0, gt=0, description="age after which server metrics "
+                                   "are ignored (model-only decisions)")
+    connect_timeout_s: float = Field(5.0, gt=0, description="upstream connect timeout")
+    read_timeout_s: float = Field(600.0, gt=0,
+                                  description="longest silence while reading an upstream response")
+    drain_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: time given to running "
+                                   "requests before exit")
+    max_body_bytes: int = Field(8 * 1024 * 1024, ge=1024,
+                                description="largest request body accepted")
+    gateway_metrics: bool = Field(
+        False, description="also expose vllm:num_requests_waiting and vllm:kv_cache_usage_perc "
+        "(predictive) for the Gateway API Inference Extension / llm-d")
+    calibrate: bool = Field(True, description="fit efficiency factors to the live server")
+    calibration_file: str | None = Field(
+        None, description="where to keep the calibration across restarts (safe to lose)")
+    log_prompts: bool = Field(False, description="log prompts (never logged otherwise)")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info",
+                                                                    description="log level")
+
+    @field_validator("upstream")
+    @classmethod
+    def _http_url(cls, value: str) -> str:
+        parts = urlsplit(value)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("must be an http(s) URL such as http://127.0.0.1:8000")
+        if parts.path not in ("", "/") or parts.query:
+            raise ValueError("must be the server's base URL, without a path")
+        return value.rstrip("/")
+
+
+FIELDS = ServeSettings.model_fields
+BOOLEAN_FIELDS = {name for name, f in FIELDS.items() if f.annotation is bool}
+
+
+# Settings whose public name differs from the field (pydantic reserves `model_config`).
+PUBLIC_NAMES = {"model": "model_config"}
+FIELD_NAMES = {public: field for field, public in PUBLIC_NAMES.items()}
+
+
+def public_name(field: str) -> str:
+    return PUBLIC_NAMES.get(field, field)
+
+
+def env_name(field: str) -> str:
+    return "KVGATE_" + public_name(field).upper()
+
+
+def flag_name(field: str) -> str:
+    return "--" + public_name(field).replace("_", "-")
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for name in FIELDS:
+        raw = environ.get(env_name(name))
+        if raw is None or raw == "":
+            continue
+        if name in BOOLEAN_FIELDS:
+            values[name] = raw.strip().lower() in ("1", "true", "yes", "on")
+        else:
+            values[name] = raw
+    return values
+
+
+def _from_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise SettingsError([f"--config {path}: cannot read ({exc.strerror})"]) from exc
+    except yaml.YAMLError as exc:
+        raise SettingsError([f"--config {path}: not valid YAML ({exc})"]) from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError([f"--config {path}: must be a mapping of setting: value"])
+    normalised = {}
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        normalised[FIELD_NAMES.get(name, name)] = value
+    unknown = sorted(set(normalised) - set(FIELDS))
+    if unknown:
+        raise SettingsError([f"--config {path}: unknown setting {name!r}" for name in unknown])
+    return normalised
+
+
+def load_settings(
+    cli: Mapping[str, Any],
+    environ: Mapping[str, str] | None = None,
+    config_file: str | None = None,
+) -> ServeSettings:
+    """Merge the three sources and validate; SettingsError lists every problem."""
+    environ = os.environ if environ is None else environ
+    config_path = config_file or environ.get("KVGATE_CONFIG") or None
+    from_file = _from_yaml(Path(config_path)) if config_path else {}
+    from_env = _from_env(environ)
+    given = {k: v for k, v in cli.items() if v is not None}
+    merged: dict[str, Any] = {**from_file, **from_env, **given}
+    source = dict.fromkeys(from_file, "config file")
+    source.update({name: env_name(name) for name in from_env})
+    source.update({name: flag_name(name) for name in given})
+    try:
+        return ServeSettings.model_validate(merged)
+    except ValidationError as exc:
+        lines = []
+        for error in exc.errors():
+            name = str(error["loc"][0]) if error["loc"] else "settings"
+            where = source.get(name, flag_name(name))
+            message = error["msg"].removeprefix("Value error, ")
+            if error["type"] == "missing":
+                message = f"is required (give {flag_name(name)} or {env_name(name)})"
+                where = flag_name(name)
+            value = f" (got {merged[name]!r})" if name in merged else ""
+            lines.append(f"{where}: {message}{value}")
+        raise SettingsError(lines) from exc

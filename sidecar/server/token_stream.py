@@ -1,0 +1,64 @@
+"""Count generated tokens from a response as it passes through, without parsing
+whole bodies.
+
+Streaming (SSE): vLLM sends one `data:` event per generated token per sequence
+(its default stream interval), so events carrying choices count tokens; a final
+`usage` object, when the client asked for one, gives the exact count.
+Non-streaming: the JSON body ends with `usage.completion_tokens`; only a bounded
+tail of the body is kept to find it.
+"""
+
+from __future__ import annotations
+
+import re
+
+_USAGE = re.compile(rb'"(?:completion_tokens|output_tokens)"\s*:\s*(\d+)')
+_TAIL_BYTES = 64 * 1024
+
+
+class TokenCounter:
+    def __init__(self, *, stream: bool, sequences: int) -> None:
+        self.stream = stream
+        self.sequences = max(1, sequences)
+        self.events = 0
+        self.usage_tokens: int | None = None
+        self._partial = b""
+        self._tail = b""
+
+    @property
+    def tokens(self) -> int:
+        """Output tokens per sequence so far."""
+        if self.usage_tokens is not None:
+            return max(1, self.usage_tokens // self.sequences) if self.usage_tokens else 0
+        return self.events // self.sequences
+
+    def feed(self, chunk: bytes) -> int:
+        """Consume a chunk; return how many token events it completed."""
+        if not self.stream:
+            self._tail = (self._tail + chunk)[-_TAIL_BYTES:]
+            return 0
+        data = self._partial + chunk
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        if len(self._partial) > _TAIL_BYTES:  # a pathological line: stop tracking it
+            self._partial = b""
+        before = self.events
+        for line in lines:
+            if not line.startswith(b"data:"):
+                continue
+            payload = line[5:].strip()
+            if not payload or payload == b"[DONE]":
+                continue
+            usage = _USAGE.search(payload) if b'"usage"' in payload else None
+            if usage is not None and b'"choices":[]' in payload.replace(b" ", b""):
+                self.usage_tokens = int(usage.group(1))
+                continue
+            if b'"delta"' in payload or b'"choices"' in payload:
+                self.events += 1
+        return self.events - before
+
+    def finish(self) -> None:
+        if not self.stream:
+            found = _USAGE.findall(self._tail)
+            if found:
+                self.usage_tokens = int(found[-1])

@@ -1,0 +1,110 @@
+"""The vLLM client: what the sidecar asks the server about itself.
+
+One `aiohttp.ClientSession` (owned by the server's composition root) is passed in;
+every call has explicit timeouts and raises `UpstreamError` naming what failed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from sidecar.upstream.server_metrics import ServerMetrics, parse_server_metrics
+
+
+class UpstreamError(Exception):
+    """The server could not be reached or answered something unusable."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind  # connect | timeout | status | protocol
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """One entry of GET /v1/models."""
+
+    id: str
+    root: str | None
+    max_model_len: int | None
+
+
+class UpstreamClient:
+    def __init__(
+        self,
+        base_url: str,
+        session: aiohttp.ClientSession,
+        *,
+        control_timeout_s: float = 5.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.session = session
+        self._timeout = aiohttp.ClientTimeout(total=control_timeout_s)
+
+    def url(self, path: str) -> str:
+        return self.base_url + path
+
+    async def _request(
+        self, method: str, path: str, payload: Mapping[str, Any] | None = None
+    ) -> str:
+        try:
+            async with self.session.request(
+                method, self.url(path), json=payload, timeout=self._timeout
+            ) as response:
+                text = await response.text()
+                if response.status >= 400:
+                    raise UpstreamError(
+                        "status", f"{method} {path} answered {response.status}: {text[:200]}"
+                    )
+                return text
+        except TimeoutError as exc:
+            raise UpstreamError("timeout", f"{method} {path} timed out") from exc
+        except aiohttp.ClientConnectionError as exc:
+            raise UpstreamError("connect", f"{method} {path}: {exc}") from exc
+        except aiohttp.ClientError as exc:
+            raise UpstreamError("protocol", f"{method} {path}: {exc}") from exc
+
+    async def _json(self, method: str, path: str,
+                    payload: Mapping[str, Any] | None = None) -> Any:
+        text = await self._request(method, path, payload)
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise UpstreamError("protocol", f"{method} {path}: not JSON") from exc
+
+    async def models(self) -> list[ModelInfo]:
+        data = await self._json("GET", "/v1/models")
+        entries = data.get("data") if isinstance(data, dict) else None
+        if not isinstance(entries, list):
+            raise UpstreamError("protocol", "GET /v1/models: no 'data' list")
+        models = []
+        for entry in entries:
+            if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+                length = entry.get("max_model_len")
+                root = entry.get("root")
+                models.append(ModelInfo(
+                    entry["id"],
+                    root if isinstance(root, str) else None,
+                    length if isinstance(length, int) and not isinstance(length, bool) else None,
+                ))
+        return models
+
+    async def metrics(self) -> ServerMetrics:
+        text = await self._request("GET", "/metrics")
+        try:
+            return await asyncio.to_thread(parse_server_metrics, text)
+        except ValueError as exc:
+            raise UpstreamError("protocol", f"GET /metrics: {exc}") from exc
+
+    async def tokenize(self, payload: Mapping[str, Any]) -> int:
+        """Token count the server will see for a prompt or chat messages."""
+        data = await self._json("POST", "/tokenize", payload)
+        count = data.get("count") if isinstance(data, dict) else None
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise UpstreamError("protocol", "POST /tokenize: no 'count'")
+        return count
