@@ -12,3 +12,22 @@ DATA = ROOT / "tests" / "data"
 for extra in (ROOT, ROOT / "tests"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
+
+
+import pytest  # noqa: E402
+
+from support.env import free_port, model_dir, vllm_python  # noqa: E402
+from support.vllm_server import VllmServer  # noqa: E402
+
+SMALL_KV = {"max_model_len": 1024, "block_size": 32, "num_gpu_blocks_override": 64}
+
+
+@pytest.fixture(scope="session")
+def small_kv_vllm() -> object:
+    """One real vLLM CPU server with a deliberately small KV cache (64 blocks of 32
+    tokens: 2,048 tokens), shared by the end-to-end tests of the session."""
+    server = VllmServer(vllm_python(), str(model_dir("tiny-llama")), "tiny-llama",
+                        free_port(), **SMALL_KV)
+    server.start()
+    yield server
+    server.stop()

@@ -10,6 +10,7 @@ upstream connection so vLLM aborts the request).
 
 from __future__ import annotations
 
+import io
 import logging
 import time
 from collections.abc import Mapping
@@ -40,6 +41,7 @@ HOP_BY_HOP = frozenset({
     "transfer-encoding", "upgrade", "host", "content-length",
 })
 STEERING = frozenset({PRIORITY, TENANT, TTFT_SLO})
+LARGE_BODY_BYTES = 512 * 1024
 
 
 def _forward_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
@@ -163,7 +165,8 @@ async def forward(
             upstream = await session.request(
                 request.method,
                 client.url(request.rel_url.path_qs),
-                data=raw if raw else None,
+                # aiohttp streams a BytesIO; a large bytes object would block the loop.
+                data=(io.BytesIO(raw) if len(raw) > LARGE_BODY_BYTES else raw) if raw else None,
                 headers=_forward_headers(request.headers, HOP_BY_HOP | STEERING),
                 timeout=timeout,
                 allow_redirects=False,

@@ -1,0 +1,152 @@
+"""`kvgate serve` in front of a real vLLM CPU server: overload, streaming,
+disconnects, never-fits and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+from typing import Any
+
+import aiohttp
+import pytest
+
+from support.sidecar import Sidecar, metric_value
+from support.vllm_server import VllmServer
+
+pytestmark = [pytest.mark.vllm]
+
+BURST = 16
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 9  # ~100 tokens
+
+
+def preemptions(server: VllmServer) -> float:
+    return metric_value(server.metrics_text(), "vllm:num_preemptions_total")
+
+
+async def stream_completion(session: aiohttp.ClientSession, url: str, max_tokens: int,
+                            prompt: str = PROMPT, **extra: Any) -> dict[str, Any]:
+    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
+            "stream": True, "ignore_eos": True, "temperature": 0, **extra}
+    async with session.post(url + "/v1/completions", json=body) as response:
+        result: dict[str, Any] = {"status": response.status,
+                                  "retry_after": response.headers.get("Retry-After")}
+        if response.status != 200:
+            result["body"] = await response.json(content_type=None)
+            return result
+        text = []
+        async for line in response.content:
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                text += [c.get("text", "") for c in chunk.get("choices", [])]
+        result["text"] = "".join(text)
+        return result
+
+
+async def burst(url: str, count: int = BURST, max_tokens: int = 400) -> list[dict[str, Any]]:
+    timeout = aiohttp.ClientTimeout(total=300)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        return list(await asyncio.gather(*(stream_completion(session, url, max_tokens)
+                                           for _ in range(count))))
+
+
+@pytest.fixture
+def sidecar(small_kv_vllm: VllmServer) -> Any:
+    with Sidecar(small_kv_vllm.url, "--queue-max-wait-s", "120") as running:
+        yield running
+
+
+async def test_overload_direct_preempts_and_kvgate_does_not(
+    small_kv_vllm: VllmServer, sidecar: Sidecar
+) -> None:
+    before = preemptions(small_kv_vllm)
+    direct = await burst(small_kv_vllm.url)
+    assert all(r["status"] == 200 for r in direct)
+    direct_preemptions = preemptions(small_kv_vllm) - before
+    assert direct_preemptions > 0, "the burst should overflow vLLM's 2,048-token KV cache"
+
+    before = preemptions(small_kv_vllm)
+    gated = await burst(sidecar.url)
+    assert preemptions(small_kv_vllm) - before == 0
+    for result in gated:
+        assert result["status"] in (200, 429, 503), result
+        if result["status"] != 200:
+            assert result["retry_after"] is not None
+    assert sum(r["status"] == 200 for r in gated) >= BURST // 2
+    state = sidecar.wait_idle()
+    ledger = state["admission"]["ledger"]
+    assert ledger["reserved_blocks"] == 0 and ledger["reservations"] == 0
+    assert sidecar.metric("kvgate_requests_total", 'outcome="admitted"') >= BURST // 2
+
+
+async def test_streaming_through_kvgate_yields_the_same_tokens(
+    small_kv_vllm: VllmServer, sidecar: Sidecar
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        direct = await stream_completion(session, small_kv_vllm.url, 40, seed=7)
+        gated = await stream_completion(session, sidecar.url, 40, seed=7)
+    assert direct["status"] == gated["status"] == 200
+    assert direct["text"] and direct["text"] == gated["text"]
+
+
+async def test_client_disconnect_mid_stream_aborts_upstream_and_releases(
+    small_kv_vllm: VllmServer, sidecar: Sidecar
+) -> None:
+    async with aiohttp.ClientSession() as session:
+        body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 800, "stream": True,
+                "ignore_eos": True}
+        response = await session.post(sidecar.url + "/v1/completions", json=body)
+        assert response.status == 200
+        for _ in range(5):
+            await response.content.readline()
+        assert sidecar.state()["admission"]["ledger"]["reserved_blocks"] > 0
+        assert metric_value(small_kv_vllm.metrics_text(), "vllm:num_requests_running") == 1
+        response.close()  # the client goes away mid-stream
+    for _ in range(100):
+        running = metric_value(small_kv_vllm.metrics_text(), "vllm:num_requests_running")
+        reserved = sidecar.state()["admission"]["ledger"]["reserved_blocks"]
+        if running == 0 and reserved == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert running == 0 and reserved == 0
+
+
+async def test_never_fits_is_400_before_the_server_sees_it(
+    small_kv_vllm: VllmServer, sidecar: Sidecar
+) -> None:
+    prompts_before = metric_value(small_kv_vllm.metrics_text(), "vllm:prompt_tokens_total")
+    async with aiohttp.ClientSession() as session:
+        result = await stream_completion(session, sidecar.url, 3000)
+    assert result["status"] == 400
+    error = result["body"]["error"]
+    assert error["code"] == "never_fits" and error["param"] == "max_tokens"
+    assert "largest max_tokens that fits" in error["message"]
+    assert result["body"]["kvgate"]["largest_max_tokens"] > 0
+    assert metric_value(small_kv_vllm.metrics_text(), "vllm:prompt_tokens_total") == (
+        prompts_before)
+
+
+async def test_bad_input_gets_clear_errors_and_kvgate_keeps_serving(sidecar: Sidecar) -> None:
+    url = sidecar.url
+    async with aiohttp.ClientSession() as session:
+        async def post(path: str, data: bytes) -> tuple[int, dict[str, Any]]:
+            async with session.post(url + path, data=io.BytesIO(data),
+                                    headers={"content-type": "application/json"}) as r:
+                return r.status, await r.json(content_type=None)
+
+        status, body = await post("/v1/chat/completions", b"{not json")
+        assert status == 400 and "not valid JSON" in body["error"]["message"]
+        status, body = await post("/v1/chat/completions", json.dumps(
+            {"model": "tiny-llama", "messages": [{"role": "user", "content": "x"}],
+             "max_tokens": "many"}).encode())
+        assert status == 400 and body["error"]["param"] == "max_tokens"
+        status, body = await post("/v1/completions", b'{"prompt": "' + b"x" * (9 << 20) + b'"}')
+        assert status == 413 and "larger than the limit" in body["error"]["message"]
+        async with session.get(url + "/v1/no-such-route") as response:
+            assert response.status == 404
+        status, body = await post("/v1/completions", json.dumps(
+            {"model": "tiny-llama", "prompt": "hello", "max_tokens": 5}).encode())
+        assert status == 200 and body["choices"][0]["text"]
+        async with session.get(url + "/v1/models") as response:
+            assert response.status == 200
+            assert (await response.json())["data"][0]["id"] == "tiny-llama"

@@ -1,0 +1,222 @@
+"""Request parsing, steering headers, token counting and settings, without a server."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from sidecar.server.client_headers import parse_priority, parse_steering, parse_tenant
+from sidecar.server.requests import (
+    BadRequest,
+    estimate_tokens,
+    parse_body,
+    parse_generation,
+)
+from sidecar.server.settings import SettingsError, load_settings
+from sidecar.server.token_stream import TokenCounter
+
+
+def gen(route: str, body: dict[str, object]):  # type: ignore[no-untyped-def]
+    return parse_generation(route, body)
+
+
+def test_chat_reads_max_tokens_n_and_builds_a_tokenize_payload() -> None:
+    request = gen("/v1/chat/completions", {
+        "model": "m", "messages": [{"role": "user", "content": "hi"}],
+        "max_completion_tokens": 12, "n": 3, "stream": True, "user": "alice",
+        "tools": [{"type": "function"}], "unknown_field": 1,
+    })
+    assert (request.max_tokens, request.sequences, request.stream, request.user) == (
+        12, 3, True, "alice")
+    payload = request.tokenize_payloads[0]
+    assert payload["messages"][0]["content"] == "hi" and payload["tools"]
+    assert payload["add_generation_prompt"] is True and payload["model"] == "m"
+
+
+def test_completions_defaults_and_batches() -> None:
+    single = gen("/v1/completions", {"prompt": "hello"})
+    assert single.max_tokens == 16  # vLLM's default for /v1/completions
+    unlimited = gen("/v1/completions", {"prompt": "hello", "max_tokens": None})
+    assert unlimited.max_tokens is None
+    batch = gen("/v1/completions", {"prompt": ["a", "b"], "best_of": 3, "n": 2})
+    assert batch.prompts == 2 and batch.sequences == 3
+    ids = gen("/v1/completions", {"prompt": [[1, 2, 3], [4, 5]]})
+    assert ids.token_counts == (3, 2) and not ids.tokenize_payloads
+
+
+def test_responses_and_anthropic_messages() -> None:
+    responses = gen("/v1/responses", {"input": "hi", "instructions": "be brief",
+                                      "max_output_tokens": 5})
+    assert responses.max_tokens == 5
+    assert [m["role"] for m in responses.tokenize_payloads[0]["messages"]] == ["system", "user"]
+    anthropic = gen("/v1/messages", {"system": "s", "max_tokens": 7, "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+        "metadata": {"user_id": "u1"}})
+    assert anthropic.max_tokens == 7 and anthropic.user == "u1"
+    assert anthropic.tokenize_payloads[0]["messages"][1]["content"] == "hello"
+
+
+@pytest.mark.parametrize(
+    ("route", "body", "param"),
+    [
+        ("/v1/chat/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"content": "x"}]}, "messages[0].role"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]},
+         "messages[0].content"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": "ten"},
+         "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": -1},
+         "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "max_tokens": True},
+         "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "n": 0}, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "n": 1000}, "n"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "stream": "yes"}, "stream"),
+        ("/v1/completions", {"prompt": 5}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+        ("/v1/completions", {"prompt": ["x"] * 65}, "prompt"),
+        ("/v1/responses", {"input": 3}, "input"),
+        ("/v1/messages", {"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),
+        ("/v1/chat/completions", {"messages": [{"role": "user"}], "model": 3}, "model"),
+    ],
+)
+def test_bad_fields_are_named(route: str, body: dict[str, object], param: str) -> None:
+    with pytest.raises(BadRequest) as error:
+        gen(route, body)
+    assert error.value.param == param
+    assert param.split("[")[0] in str(error.value)
+
+
+@pytest.mark.parametrize("raw", [b"{not json", b"[1,2]", b"\xff\xfe", b"", b"null"])
+def test_malformed_bodies(raw: bytes) -> None:
+    with pytest.raises(BadRequest, match="JSON"):
+        parse_body(raw)
+
+
+@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False)
+                    | st.text(), lambda c: st.lists(c) | st.dictionaries(st.text(), c),
+                    max_leaves=20))
+def test_parsing_never_crashes_on_arbitrary_json(value: object) -> None:
+    for route in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"):
+        for body in (value, {"messages": value, "prompt": value, "input": value,
+                             "max_tokens": value, "n": value}):
+            try:
+                parsed = parse_generation(route, parse_body(json.dumps(body).encode()))
+            except BadRequest:
+                continue
+            assert parsed.sequences >= 1 and parsed.prompts >= 1
+            assert parsed.max_tokens is None or parsed.max_tokens >= 1
+
+
+def test_fallback_estimate_over_counts() -> None:
+    assert estimate_tokens(["a" * 300], 0) == 101
+    assert estimate_tokens(["hi", "there"], 2) == 3 + 16 + 1
+
+
+@pytest.mark.parametrize("value", ["urgent", "-1", "99", "1e3", "0x1", " ", "high\r\nx: y"])
+def test_absurd_priorities_are_rejected(value: str) -> None:
+    with pytest.raises(BadRequest, match="x-kvgate-priority"):
+        parse_priority(value, 3)
+
+
+def test_priority_classes_and_numbers() -> None:
+    assert [parse_priority(v, 3) for v in ("high", "NORMAL", "low", "0", "2", None)] == [
+        0, 1, 2, 0, 2, 1]
+    assert parse_priority("low", 1) == 0
+
+
+@pytest.mark.parametrize("tenant", ["a b", "x" * 129, "evil\ninjected", "", "ümlaut"])
+def test_tenant_injection_and_length(tenant: str) -> None:
+    with pytest.raises(BadRequest, match="tenant|user"):
+        parse_tenant(tenant, None)
+
+
+def test_steering_header_beats_body_user() -> None:
+    steering = parse_steering({"x-kvgate-tenant": "team-a", "x-kvgate-ttft-slo-ms": "250"},
+                              "bob", 3)
+    assert (steering.tenant, steering.ttft_slo_s) == ("team-a", 0.25)
+    assert parse_steering({}, "bob", 3).tenant == "bob"
+    with pytest.raises(BadRequest, match="x-kvgate-ttft-slo-ms"):
+        parse_steering({"x-kvgate-ttft-slo-ms": "-5"}, None, 3)
+
+
+def test_sse_token_counting_across_chunk_boundaries() -> None:
+    events = b"".join(
+        b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n' for _ in range(7))
+    events += b'data: {"choices":[],"usage":{"completion_tokens":7}}\n\ndata: [DONE]\n\n'
+    counter = TokenCounter(stream=True, sequences=1)
+    for i in range(0, len(events), 5):
+        counter.feed(events[i:i + 5])
+    assert counter.events == 7 and counter.tokens == 7
+    assert counter.usage_tokens == 7
+
+
+def test_non_stream_usage_from_the_body_tail() -> None:
+    counter = TokenCounter(stream=False, sequences=2)
+    body = json.dumps({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 40}})
+    counter.feed(body.encode())
+    counter.finish()
+    assert counter.tokens == 20
+
+
+def test_settings_precedence_and_errors(tmp_path: Path) -> None:
+    config = tmp_path / "kvgate.yaml"
+    config.write_text("upstream: http://file:1\nport: 9000\nqueue_max_length: 5\n"
+                      "model_config: Qwen/Qwen3-8B\n")
+    settings = load_settings({"port": "9100"}, {"KVGATE_QUEUE_MAX_LENGTH": "7",
+                                                "KVGATE_GATEWAY_METRICS": "true"},
+                             str(config))
+    assert settings.upstream == "http://file:1" and settings.port == 9100
+    assert settings.queue_max_length == 7 and settings.gateway_metrics
+    assert settings.model == "Qwen/Qwen3-8B"
+    with pytest.raises(SettingsError) as error:
+        load_settings({"port": "70000", "mode": "yolo"}, {"KVGATE_KV_TARGET_RATIO": "2"}, None)
+    lines = error.value.lines
+    assert any(line.startswith("--upstream: is required") for line in lines)
+    assert any(line.startswith("--port:") and "70000" in line for line in lines)
+    assert any(line.startswith("KVGATE_KV_TARGET_RATIO:") for line in lines)
+    assert len(lines) == 4
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("upstream: http://x:1\nportt: 1\n")
+    with pytest.raises(SettingsError, match="unknown setting 'portt'"):
+        load_settings({}, {}, str(bad))
+
+
+def test_serve_reports_every_bad_setting_on_its_own_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "sidecar", "serve", "--upstream", "ftp://x", "--port", "0",
+         "--admin-token", "short"],
+        capture_output=True, text=True, timeout=60, check=False,
+        env={"PATH": "/usr/bin:/bin", "KVGATE_QUEUE_MAX_WAIT_S": "-1"},
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 4 and all(line.startswith("kvgate serve: error: ") for line in lines)
+    assert "Traceback" not in proc.stderr
+    for text in ("--upstream", "--port", "--admin-token", "KVGATE_QUEUE_MAX_WAIT_S"):
+        assert any(text in line for line in lines)
+
+
+def test_serve_unknown_model_and_gpu_fail_fast() -> None:
+    for args, message in ((["--model-config", "/nonexistent"], "is not a file"),
+                          (["--gpu", "Z1"], "unknown GPU")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "sidecar", "serve", "--upstream", "http://127.0.0.1:9",
+             "--port", "19999", *args],
+            capture_output=True, text=True, timeout=60, check=False)
+        assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_serve_help_documents_flags_and_env() -> None:
+    proc = subprocess.run([sys.executable, "-m", "sidecar", "serve", "--help"],
+                          capture_output=True, text=True, timeout=60, check=True)
+    for text in ("--upstream", "--model-config", "KVGATE_MODEL_CONFIG", "--mode", "--gpu",
+                 "--admin-port", "--drain-timeout-s", "/readyz"):
+        assert text in proc.stdout
