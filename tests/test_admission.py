@@ -15,6 +15,7 @@ from sidecar.admission import (
     Rejected,
     ServerState,
 )
+
 from support.admission_fixtures import FakeClock, FakeClockLoop, controller
 
 
@@ -294,7 +295,7 @@ def test_shadow_mode_admits_everything_and_records_verdicts() -> None:
         assert ctl.ledger.reserved_blocks == 96  # beyond the 38-block target: shadow
         shadow = [o for o, s in recorder.decisions if s]
         assert shadow[0] is Outcome.ADMITTED and Outcome.QUEUED in shadow
-        assert [t.shadow_outcome for t in tickets][0] is Outcome.ADMITTED  # type: ignore[attr-defined]
+        assert tickets[0].shadow_outcome is Outcome.ADMITTED  # type: ignore[attr-defined]
         for ticket in tickets:
             ticket.finish()  # type: ignore[attr-defined]
         assert ctl.ledger.reserved_blocks == 0

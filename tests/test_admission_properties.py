@@ -20,6 +20,7 @@ from sidecar.admission import (
     Ticket,
 )
 from sidecar.admission.queue import Entry
+
 from support.admission_fixtures import FakeClock, FakeClockLoop, controller
 
 BOUND_S = 20.0

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
+
 from support.prometheus import ToolMissing, promtool_path
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -10,7 +10,6 @@ from typing import Any
 
 import pytest
 import yaml
-from support.prometheus import ToolMissing, promtool_path
 
 from dashboards.queries import (
     dashboard_queries,
@@ -19,6 +18,7 @@ from dashboards.queries import (
     rule_expressions,
     substitute,
 )
+from support.prometheus import ToolMissing, promtool_path
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "dashboards" / "kvgate.json"

@@ -8,6 +8,7 @@ import urllib.error
 import urllib.request
 
 import pytest
+
 from support.prometheus import (
     PrometheusError,
     PrometheusServer,

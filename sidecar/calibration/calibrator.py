@@ -6,7 +6,8 @@ Two robust lines (`fit.RobustLine`), in seconds:
   context at the time: slope = 1 / bandwidth efficiency (decode is bandwidth-bound),
   overhead = per-step + per-layer costs;
 - prefill: observed time to first token = slope x ideal prefill time + overhead:
-  slope = 1 / compute efficiency.
+  slope = 1 / compute efficiency; what its overhead exceeds the decode overhead by is
+  the engine's per-request cost (API server, tokenizer, first-token streaming).
 Per-step and per-layer overheads cannot be told apart on one model (the layer count
 is fixed), so the fitted overhead scales both in their prior proportion.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sidecar.calibration.fit import RobustLine
@@ -75,7 +76,7 @@ class Calibrator:
         self._key, self._prior = key, prior
         self._decode = RobustLine(1.0 / prior.bandwidth, overhead,
                                   (1.0, 1.0 / MIN_EFFICIENCY), (0.0, MAX_OVERHEAD_S))
-        self._prefill = RobustLine(1.0 / prior.compute, overhead,
+        self._prefill = RobustLine(1.0 / prior.compute, overhead + prior.per_request_s,
                                    (1.0, 1.0 / MIN_EFFICIENCY), (0.0, MAX_OVERHEAD_S))
         self._ideal = served.with_efficiency(IDEAL)
         self._ideal_cache.clear()
@@ -147,16 +148,19 @@ class Calibrator:
         assert self._prior is not None and self._decode is not None and self._prefill is not None
         prior = self._prior
         decode_slope, overhead = self._decode.estimate()
-        prefill_slope, _ = self._prefill.estimate()
+        prefill_slope, prefill_overhead = self._prefill.estimate()
         prior_overhead = prior.per_step_s + prior.per_layer_s * served.arch.num_layers
         factor = overhead / prior_overhead if prior_overhead > 0 else 1.0
         per_step = prior.per_step_s * factor if prior_overhead > 0 else overhead
-        return Efficiency(
+        # What the first token costs beyond one step: the engine's per-request work.
+        per_request = max(0.0, prefill_overhead - overhead)
+        return replace(
+            prior,
             compute=_clamp(1.0 / prefill_slope),
             bandwidth=_clamp(1.0 / decode_slope),
             per_layer_s=prior.per_layer_s * factor,
             per_step_s=per_step,
-            allreduce_latency_s=prior.allreduce_latency_s,
+            per_request_s=per_request,
         )
 
     def status(self, served: ServedModel) -> dict[str, Any]:

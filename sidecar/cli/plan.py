@@ -214,7 +214,7 @@ def plan_input(args: argparse.Namespace) -> PlanInput:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
-        available_kv_bytes=int(args.available_kv_gib * GIB) if args.available_kv_gib else None,
+        available_kv_bytes=round(args.available_kv_gib * GIB) if args.available_kv_gib else None,
     )
     efficiency = load_efficiency(args.calibration)
     served = ServedModel(arch, deployment, gpu)
@@ -282,7 +282,7 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
         "bytes_per_block": capacity.bytes_per_block if capacity else None,
         "blocks_per_max_len_request": capacity.blocks_per_request if capacity else None,
         "kv_capacity_tokens": capacity.kv_capacity_tokens if capacity else None,
-        "max_concurrency": round(capacity.max_concurrency, 4) if capacity else None,
+        "max_concurrency": capacity.max_concurrency if capacity else None,
         "prompt_tokens": plan.prompt_tokens,
         "output_tokens": plan.output_tokens,
         "concurrency": plan.concurrency,

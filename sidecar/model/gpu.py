@@ -99,7 +99,13 @@ CATALOGUE: tuple[Gpu, ...] = (
 
 
 # TP across nodes: NCCL over the data-centre network (TCP sockets, no RDMA). Per-GPU
-# bandwidth of a 25 GbE link, and the latency one ring step adds; see over_network.
+# bandwidth of a 25 GbE link, and the latency one ring step adds. The two deployments
+# with TP across nodes in tests/data/groundtruth/latency.csv agree on ~0.2 ms per
+# step: gpt-oss-120b at TP4 decodes at 86.6 ms per token where one node would take
+# ~5 ms (72 all-reduces of 6 steps each: 0.19 ms), and Qwen2-7B at TP2 decodes 10
+# prompts 30.8 ms per token slower than on one node (56 all-reduces of 2 steps: 0.27
+# ms with the payload). Their prefill times under load put the effective bandwidth
+# between 10 and 25 GbE; the sources do not state the network.
 NETWORK_GBPS = 3.125
 NETWORK_HOP_LATENCY_S = 200e-6
 
@@ -112,8 +118,8 @@ def over_network(
     """The GPU with its tensor-parallel peers on other nodes.
 
     Every all-reduce then runs over the network: a ring of p ranks takes 2(p - 1)
-    steps, each paying `hop_latency_s` (NCCL's socket transport: kernel TCP stack and
-    proxy thread, ~0.1-0.3 ms) and moving its share at `bandwidth_gbps`.
+    steps, each paying `hop_latency_s` and moving its share of the payload at
+    `bandwidth_gbps` (defaults: see NETWORK_HOP_LATENCY_S).
     """
     return replace(gpu, name=f"{gpu.name} (TP across nodes)", interconnect_gbps=bandwidth_gbps,
                    hop_latency_s=hop_latency_s)

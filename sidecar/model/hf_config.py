@@ -53,6 +53,7 @@ def load_config(source: str | Path) -> tuple[dict[str, Any], str]:
             raise ConfigError(f"{path}: cannot read ({exc.strerror})") from exc
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: a config.json must hold a JSON object")
+        _merge_modelopt_quantization(raw, path.parent / "hf_quant_config.json")
         name = path.parent.name if path.name == "config.json" else path.stem
         return raw, name
     preset = presets.find(str(source))
@@ -62,6 +63,19 @@ def load_config(source: str | Path) -> tuple[dict[str, Any], str]:
             f"(known presets: {', '.join(presets.names()[:12])}, ... see `kvgate presets`)"
         )
     return presets.load(preset), preset
+
+
+def _merge_modelopt_quantization(raw: dict[str, Any], quant_file: Path) -> None:
+    """NVIDIA ModelOpt checkpoints keep their quantization in hf_quant_config.json."""
+    if "quantization_config" in raw or not quant_file.is_file():
+        return
+    try:
+        data = json.loads(quant_file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{quant_file}: cannot read ({exc})") from exc
+    section = data.get("quantization") if isinstance(data, dict) else None
+    if isinstance(section, dict):
+        raw["quantization_config"] = {"quant_method": "modelopt", **section}
 
 
 def read_architecture(source: str | Path) -> ModelArchitecture:

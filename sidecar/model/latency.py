@@ -17,7 +17,7 @@ The serial fraction is the part of the shorter term that does not hide under the
 longer one: 0 is the ideal roofline, 1 no overlap at all. Decode (memory_s >>
 compute_s) and long prefills (compute_s >> memory_s) barely notice it; a prefill of
 a few hundred tokens, where both terms are of a size, does: measured, a 128-token
-prompt takes ~1.3-1.5 decode steps where max() would give ~1.
+prompt takes ~1.2-1.6 decode steps where max() would give ~1.
 
 A request's TTFT adds the engine's fixed cost per request (`per_request_s`: API
 server, tokenizer, scheduling, detokenizing and streaming the first token), each
@@ -131,9 +131,9 @@ TENSORRT_LLM = "tensorrt-llm"
 # prompt, a separate engine-core process, detokenizing and streaming the first
 # token); TensorRT-LLM's from its C++ static-batch benchmark, without a server.
 ENGINE_OVERHEADS: Mapping[str, EngineOverhead] = {
-    VLLM: EngineOverhead(per_step_s=1.6e-3, per_request_s=25e-3, allreduce_latency_s=21e-6),
-    TENSORRT_LLM: EngineOverhead(per_step_s=0.2e-3, per_request_s=1.7e-3,
-                                 allreduce_latency_s=21e-6),
+    VLLM: EngineOverhead(per_step_s=1.27e-3, per_request_s=24.3e-3, allreduce_latency_s=31e-6),
+    TENSORRT_LLM: EngineOverhead(per_step_s=0.215e-3, per_request_s=1.8e-3,
+                                 allreduce_latency_s=19e-6),
 }
 
 # Fitted by `python bench/model_accuracy.py --fit`: a coordinate search minimising,
@@ -145,16 +145,18 @@ ENGINE_OVERHEADS: Mapping[str, EngineOverhead] = {
 # 0.10.1.1 rows (Qwen2-7B TP1/TP2 and Qwen2.5-32B TP2 on A100 80GB, gpt-oss-120b
 # TP4 across nodes). The engine average keeps vLLM's own terms answerable to vLLM's
 # rows, which a pooled median over 166 values (156 of them TensorRT-LLM) would not.
-# Hardware terms are shared by all rows; multi-start Nelder-Mead finds the same
-# optimum (objective 0.040). Result: median TTFT error 6.4%, TPOT 4.8%.
+# compute, bandwidth, per_layer_s and serial_fraction are shared by all rows (no
+# per-model or per-GPU constant); ENGINE_OVERHEADS are fitted per engine. Multi-start
+# Nelder-Mead finds the same optimum (objective 0.027-0.028). Result: median |error| of
+# TTFT 7.4% (p90 45%), of TPOT 4.8% (p90 18%).
 DEFAULT_EFFICIENCY = Efficiency(
-    compute=0.52,
+    compute=0.51,
     bandwidth=0.75,
     per_layer_s=42e-6,
     per_step_s=ENGINE_OVERHEADS[VLLM].per_step_s,
     allreduce_latency_s=ENGINE_OVERHEADS[VLLM].allreduce_latency_s,
     per_request_s=ENGINE_OVERHEADS[VLLM].per_request_s,
-    serial_fraction=0.28,
+    serial_fraction=0.22,
 )
 
 
@@ -210,7 +212,9 @@ class Roofline:
     def _kv_token_bytes(self) -> float:
         return sum(spec.token_bytes for spec in self.kv_specs)
 
-    def step(self, prefills: Sequence[Prefill] = (), decode_contexts: Sequence[int] = ()) -> StepCost:
+    def step(
+        self, prefills: Sequence[Prefill] = (), decode_contexts: Sequence[int] = ()
+    ) -> StepCost:
         """Cost of one engine step over the given prefill chunks and decoding sequences."""
         arch = self.arch
         new_tokens = sum(p.new_tokens for p in prefills) + len(decode_contexts)

@@ -38,10 +38,11 @@ bench/model_accuracy.py`, kinds kv_budget and kv_tokens_est):
   in the 0.19-0.21 logs; 0.4 GiB sits between. The NCCL term is the TP2 - TP1
   difference of the same Qwen2-7B deployment (0.19 GiB). Median error of the
   estimated budget over the 12 logs with a utilization: 2.7%.
-- Not reproduced: two H100 logs of large MoE models (gpt-oss-120b, Qwen3-235B-A22B
-  FP8 at TP4, 2025 vLLM) leave 6.4-6.8 GiB less KV than the model: their
-  non-KV, non-weight memory is ~7.5-8 GiB. Neither the activation nor the sampler
-  terms come near it, and the A100 logs rule out a sampler that large.
+- Not reproduced: two H100 logs of large MoE models (gpt-oss-120b at TP1 with 1,024
+  batched tokens, Qwen3-235B-A22B-FP8 at TP4; 2025 vLLM) leave 6.4-6.5 GiB less KV
+  than the model: with the model's weights, their non-KV, non-weight memory is
+  7.7-8.0 GiB. Neither the activation nor the sampler terms come near it, and the
+  A100 logs rule out a sampler that large.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ precision (gpt-oss keeps attention in bf16 and quantizes only its experts).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
@@ -42,6 +43,8 @@ class WeightPrecision:
     label: str = ""
     # Kernels that pad expert matrices: (hidden multiple, intermediate multiple).
     expert_padding: tuple[int, int] | None = None
+    # Whole decoder layers the checkpoint keeps unquantized (`model.layers.0`).
+    unconverted_layers: frozenset[int] = frozenset()
 
     def of(self, role: Role) -> Precision:
         return self.by_role.get(role, self.default)
@@ -82,11 +85,23 @@ def weight_precision(
 
 
 def _linear_only(
-    base: Precision, quantized: Precision, label: str, keep: Iterable[Role] = ()
+    base: Precision, quantized: Precision, label: str, keep: Iterable[Role] = (),
+    layers: frozenset[int] = frozenset(),
 ) -> WeightPrecision:
     kept = set(keep)
     by_role = {role: quantized for role in _LINEAR_ROLES if role not in kept}
-    return WeightPrecision(base, by_role, label)
+    return WeightPrecision(base, by_role, label, unconverted_layers=layers)
+
+
+_WHOLE_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)$")
+
+
+def _layers_not_converted(patterns: object) -> frozenset[int]:
+    """Decoder layers listed whole (`model.layers.0`), kept at full precision."""
+    if not isinstance(patterns, list):
+        return frozenset()
+    found = (_WHOLE_LAYER.search(p) for p in patterns if isinstance(p, str))
+    return frozenset(int(m.group(1)) for m in found if m)
 
 
 def _roles_not_converted(patterns: object) -> set[Role]:
@@ -119,19 +134,21 @@ def _from_quantization_config(
     quantization: Mapping[str, object], base: Precision
 ) -> WeightPrecision:
     method = str(quantization.get("quant_method") or quantization.get("quant_algo") or "").lower()
-    not_converted = _roles_not_converted(
+    excluded = (
         quantization.get("modules_to_not_convert")
         or quantization.get("ignored_layers")
         or quantization.get("ignore")
         or quantization.get("exclude_modules")
     )
+    not_converted = _roles_not_converted(excluded)
+    layers = _layers_not_converted(excluded)
     if method in ("fp8", "fbgemm_fp8", "fp8_dynamic"):
         block = quantization.get("weight_block_size")
         if isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) for b in block):
             precision = fp8_block_scaled(int(block[0]), int(block[1]))
         else:
             precision = FP8
-        return _linear_only(base, precision, precision.name, not_converted)
+        return _linear_only(base, precision, precision.name, not_converted, layers)
     if method in ("awq", "gptq", "awq_marlin", "gptq_marlin", "auto-round", "autoround"):
         bits = _int_field(quantization, ("bits", "w_bit"), 4)
         group = _int_field(quantization, ("group_size", "q_group_size"), 128)
@@ -146,7 +163,8 @@ def _from_quantization_config(
     if method == "modelopt" or method in ("nvfp4", "modelopt_fp4"):
         algo = str(quantization.get("quant_algo") or method).upper()
         precision = NVFP4 if "FP4" in algo else FP8
-        return _linear_only(base, precision, f"modelopt {precision.name}", not_converted)
+        return _linear_only(base, precision, f"modelopt {precision.name}", not_converted,
+                            layers)
     if method == "compressed-tensors":
         return _compressed_tensors(quantization, base, not_converted)
     if method == "bitsandbytes":

@@ -36,8 +36,14 @@ def weight_footprint(
     arch: ModelArchitecture, precision: WeightPrecision, tp: int
 ) -> WeightFootprint:
     per_rank = arch.params_per_rank_by_role(tp)
+    # Layers kept whole at full precision weigh in at the default precision.
+    kept = len([i for i in precision.unconverted_layers if i < arch.num_layers])
+    share = kept / arch.num_layers if arch.num_layers else 0.0
+    default = precision.default.bytes_per_weight
     by_role = {
-        role: count * precision.of(role).bytes_per_weight for role, count in per_rank.items()
+        role: count * ((1 - share) * precision.of(role).bytes_per_weight + share * default)
+        if role in precision.by_role else count * precision.of(role).bytes_per_weight
+        for role, count in per_rank.items()
     }
     if precision.expert_padding and Role.EXPERTS in by_role:
         by_role[Role.EXPERTS] *= _expert_padding_factor(arch, tp, *precision.expert_padding)

@@ -42,7 +42,7 @@ class CostFair:
     name: ClassVar[str] = "cost"
 
     def pick(self, tenants: Sequence[TenantView]) -> str:
-        return min(tenants, key=lambda t: (t.served_cost, t.head_seq)).name
+        return min(tenants, key=lambda t: (t.served_cost, t.head_seq, t.name)).name
 
     def joined(self, own_cost: float, least_active_cost: float | None) -> float:
         if least_active_cost is None:
@@ -55,7 +55,7 @@ class ArrivalOrder:
     name: ClassVar[str] = "none"
 
     def pick(self, tenants: Sequence[TenantView]) -> str:
-        return min(tenants, key=lambda t: t.head_seq).name
+        return min(tenants, key=lambda t: (t.head_seq, t.name)).name
 
     def joined(self, own_cost: float, least_active_cost: float | None) -> float:
         return own_cost
