@@ -11,43 +11,17 @@ from typing import Any
 import aiohttp
 import pytest
 
+from support.load import PROMPT, burst, stream_completion
 from support.sidecar import Sidecar, metric_value
 from support.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm]
 
 BURST = 16
-PROMPT = "The quick brown fox jumps over the lazy dog. " * 9  # ~100 tokens
 
 
 def preemptions(server: VllmServer) -> float:
     return metric_value(server.metrics_text(), "vllm:num_preemptions_total")
-
-
-async def stream_completion(session: aiohttp.ClientSession, url: str, max_tokens: int,
-                            prompt: str = PROMPT, **extra: Any) -> dict[str, Any]:
-    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": max_tokens,
-            "stream": True, "ignore_eos": True, "temperature": 0, **extra}
-    async with session.post(url + "/v1/completions", json=body) as response:
-        result: dict[str, Any] = {"status": response.status,
-                                  "retry_after": response.headers.get("Retry-After")}
-        if response.status != 200:
-            result["body"] = await response.json(content_type=None)
-            return result
-        text = []
-        async for line in response.content:
-            if line.startswith(b"data: {"):
-                chunk = json.loads(line[6:])
-                text += [c.get("text", "") for c in chunk.get("choices", [])]
-        result["text"] = "".join(text)
-        return result
-
-
-async def burst(url: str, count: int = BURST, max_tokens: int = 400) -> list[dict[str, Any]]:
-    timeout = aiohttp.ClientTimeout(total=300)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        return list(await asyncio.gather(*(stream_completion(session, url, max_tokens)
-                                           for _ in range(count))))
 
 
 @pytest.fixture

@@ -35,6 +35,7 @@ from typing import Protocol, cast
 from sidecar.admission.cost import CostModel, RequestCost
 from sidecar.admission.forecast import Forecast, ReleaseSchedule, RunningRequest, kv_forecast
 from sidecar.admission.ledger import Ledger, Reservation
+from sidecar.admission.load import PrefillLoad
 from sidecar.admission.outcomes import Decision, Detail, Outcome, Rejected
 from sidecar.admission.output_policy import LearnedQuantile, OutputReservation, WorstCase
 from sidecar.admission.policies import (
@@ -214,6 +215,7 @@ class AdmissionController:
         self._keys = itertools.count(1)
         self._running: dict[int, Ticket] = {}
         self._context_tokens = 0  # prompt + output tokens of all running requests
+        self.prefill_load = PrefillLoad()
         self._schedule: ReleaseSchedule | None = None
         self._draining = False
         self._drain_deadline_s: float | None = None
@@ -329,8 +331,10 @@ class AdmissionController:
             request.tenant,
         )
         running = len(self._running)
+        slowdown = self.prefill_load.slowdown(self.clock())
         cost = self.cost_model.cost(
-            request.prompt_tokens, output, request.sequences, running, self._mean_context()
+            request.prompt_tokens, output, request.sequences, running, self._mean_context(),
+            slowdown,
         )
         # The learned policy leaves part of the worst case unreserved; bound the total.
         unreserved = cost.worst_case_blocks - cost.kv_blocks
@@ -340,7 +344,7 @@ class AdmissionController:
                 worst = self.cost_model.max_model_len - request.prompt_tokens
                 cost = self.cost_model.cost(
                     request.prompt_tokens, max(worst, 0), request.sequences, running,
-                    self._mean_context(),
+                    self._mean_context(), slowdown,
                 )
         return cost
 
@@ -491,6 +495,7 @@ class AdmissionController:
                         predicted_ttft_s, shadow_outcome)
         self._running[ticket.key] = ticket
         self._context_tokens += request.prompt_tokens
+        self.prefill_load.add(now, cost.prefill_work_s)
         self._schedule = None
         return ticket
 
@@ -551,7 +556,8 @@ class AdmissionController:
     def running_requests(self) -> list[RunningRequest]:
         now = self.clock()
         batch = max(1, len(self._running))
-        tpot = self.cost_model.tpot_s(batch, self._mean_context())
+        tpot = self.cost_model.tpot_s(batch, self._mean_context()) * self.prefill_load.slowdown(
+            now)
         views = []
         for ticket in self._running.values():
             request = ticket.request

@@ -27,8 +27,9 @@ class RequestCost:
     kv_blocks: int  # reserved, all sequences
     worst_case_blocks: int  # if every sequence ran to max_model_len
     prefill_flops: float
-    prefill_s: float
+    prefill_s: float  # predicted time to its first token, others' prefills included
     tpot_s: float  # per output token at the batch it will join
+    prefill_work_s: float = 0.0  # its own prefill, as engine time (no slowdown)
 
     @property
     def total_tokens(self) -> int:
@@ -76,8 +77,12 @@ class CostModel:
         sequences: int = 1,
         running: int = 0,
         mean_context: int = 0,
+        slowdown: float = 1.0,
     ) -> RequestCost:
+        """`slowdown` (>= 1) stretches the times for the prefill work of others
+        sharing the engine (see `load.PrefillLoad`)."""
         total = prompt_tokens + output_tokens
+        prefill = self.prefill_s(prompt_tokens, running, mean_context)
         return RequestCost(
             prompt_tokens=prompt_tokens,
             output_tokens=output_tokens,
@@ -85,8 +90,10 @@ class CostModel:
             kv_blocks=self.blocks(total, sequences),
             worst_case_blocks=self.blocks(max(total, self.max_model_len), sequences),
             prefill_flops=self._flops_per_token * prompt_tokens,
-            prefill_s=self.prefill_s(prompt_tokens, running, mean_context),
-            tpot_s=self.tpot_s(running + sequences, mean_context or total),
+            prefill_s=prefill * slowdown,
+            # Engine time only: the API server's per-request work runs beside the engine.
+            prefill_work_s=max(0.0, prefill - self.served.efficiency.per_request_s),
+            tpot_s=self.tpot_s(running + sequences, mean_context or total) * slowdown,
         )
 
     def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int) -> int:

@@ -37,6 +37,7 @@ MIN_EFFICIENCY = 0.001
 MAX_OVERHEAD_S = 2.0
 _CONTEXT_BUCKET = 128
 SAVE_EVERY = 50
+RESTART_KEEP = 0.1
 
 
 @dataclass(frozen=True)
@@ -117,8 +118,9 @@ class Calibrator:
             self._saved_later(served)
 
     def observe_server(self, before: UpstreamView, after: UpstreamView,
-                       served: ServedModel) -> None:
-        """Use the server's own histograms between two scrapes."""
+                       served: ServedModel, slowdown: float = 1.0) -> None:
+        """Use the server's own histograms between two scrapes; `slowdown` is the
+        prefill load's stretch factor at the time (see admission.load)."""
         old, new = before.metrics, after.metrics
         if old is None or new is None or not after.up or before.restarts != after.restarts:
             return
@@ -134,12 +136,20 @@ class Calibrator:
             if tokens is not None and tokens[1] > 0:
                 context += int(tokens[0] / tokens[1] / 2)
         if itl is not None and itl[1] >= 2 and running > 0:
-            self.observe_decode(served, running, context, itl[0] / itl[1],
+            self.observe_decode(served, running, context, itl[0] / itl[1] / slowdown,
                                 weight=min(10.0, itl[1] / 10))
         prefill = _delta(old.histograms.get("prefill"), new.histograms.get("prefill"))
         if prefill is not None and prefill[1] >= 1 and prompts is not None and prompts[1] >= 1:
             self.observe_prefill(served, int(prompts[0] / prompts[1]), max(0, running - 1),
-                                 context, prefill[0] / prefill[1], weight=min(5.0, prefill[1]))
+                                 context, prefill[0] / prefill[1] / slowdown,
+                                 weight=min(5.0, prefill[1]))
+
+    def server_restarted(self) -> None:
+        """The server came back, perhaps with other settings: let new evidence
+        dominate quickly (old observations keep a tenth of their weight)."""
+        for line in (self._decode, self._prefill):
+            if line is not None:
+                line.forget(RESTART_KEEP)
 
     # ---- results --------------------------------------------------------------------
 

@@ -81,3 +81,8 @@ class RobustLine:
         self.scale = 0.95 * self.scale + 0.05 * max(min(abs(residual), 3 * limit), 1e-9)
         self.observations += 1
         return True
+
+    def forget(self, keep: float) -> None:
+        """Keep only this share of the evidence (the server changed under us)."""
+        for name in ("sw", "swx", "swy", "swxx", "swxy"):
+            setattr(self, name, getattr(self, name) * keep)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import os
 from typing import Any
 
 from aiohttp import web
@@ -14,6 +16,8 @@ from sidecar.server.errors import error_response
 from sidecar.server.keys import SERVICES
 
 REGISTRY = web.AppKey("registry", CollectorRegistry)
+# The process's HTTP runners (main and admin port), for the connection counts of /state.
+RUNNERS = web.AppKey("runners", list[web.AppRunner])
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -42,7 +46,9 @@ async def admin_token(request: web.Request, handler: Any) -> web.StreamResponse:
     if token and request.path.startswith("/kvgate/"):
         given = request.headers.get("Authorization", "")
         expected = f"Bearer {token}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
+        # Header values are decoded with surrogateescape: encode them back the same way.
+        if not hmac.compare_digest(given.encode("utf-8", "surrogateescape"),
+                                   expected.encode("utf-8", "surrogateescape")):
             return error_response(401, "this route needs Authorization: Bearer <admin token>",
                                   code="unauthorized")
     response: web.StreamResponse = await handler(request)
@@ -66,8 +72,40 @@ async def state(request: web.Request) -> web.Response:
         },
         "admission": services.controller.state() if services.controller else None,
         "efficiency": services.served.efficiency.as_dict() if services.served else None,
+        "process": _process(request),
     }
     return _json(data)
+
+
+def _process(request: web.Request) -> dict[str, Any]:
+    """Leak indicators: asyncio tasks, client and upstream connections, fds, memory."""
+    services = request.app[SERVICES]
+    runners = request.app.get(RUNNERS, [])
+    clients = sum(len(r.server.connections) for r in runners if r.server is not None)
+    upstream: dict[str, int] | None = None
+    if services.client is not None:
+        connector = services.client.session.connector
+        # aiohttp keeps no public count: its pool's in-use set and idle lists.
+        acquired = getattr(connector, "_acquired", ())
+        idle = getattr(connector, "_conns", {})
+        upstream = {"active": len(acquired), "idle": sum(len(c) for c in idle.values())}
+    rss_bytes = fds = None
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("VmRSS:"):
+                    rss_bytes = int(line.split()[1]) * 1024
+        fds = len(os.listdir("/proc/self/fd"))
+    except OSError:  # not Linux
+        pass
+    return {
+        "asyncio_tasks": len(asyncio.all_tasks()),
+        "active_requests": services.active_requests,
+        "client_connections": clients,
+        "upstream_connections": upstream,
+        "rss_bytes": rss_bytes,
+        "open_fds": fds,
+    }
 
 
 async def plan(request: web.Request) -> web.Response:

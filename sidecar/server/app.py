@@ -82,13 +82,19 @@ async def serve(settings: ServeSettings, *, stop: asyncio.Event | None = None) -
     registry = CollectorRegistry()
     services = build_services(settings, registry)
     app = build_app(services, registry)
+    runners: list[web.AppRunner] = []
+    app[admin.RUNNERS] = runners
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=5.0)
+    runners.append(runner)
     await runner.setup()
     sites = [web.TCPSite(runner, settings.host, settings.port, backlog=4096)]
     admin_runner: web.AppRunner | None = None
     if settings.admin_port is not None:
-        admin_runner = web.AppRunner(build_admin_app(services, registry), access_log=None)
+        admin_app = build_admin_app(services, registry)
+        admin_app[admin.RUNNERS] = runners
+        admin_runner = web.AppRunner(admin_app, access_log=None)
+        runners.append(admin_runner)
         await admin_runner.setup()
         sites.append(web.TCPSite(admin_runner, settings.host, settings.admin_port))
     for site in sites:

@@ -36,7 +36,8 @@ def parse_priority(value: str | None, bands: int) -> int:
     text = value.strip().lower()
     if text in CLASS_NAMES:
         return min(CLASS_NAMES[text], bands - 1)
-    if text.isdigit() and len(text) <= 2 and int(text) < bands:
+    # isascii(): str.isdigit() also accepts digits int() cannot read ("²").
+    if text.isascii() and text.isdigit() and len(text) <= 2 and int(text) < bands:
         return int(text)
     names = ", ".join(CLASS_NAMES)
     raise BadRequest(f"header {PRIORITY} must be one of {names} or an integer from 0 to "

@@ -25,6 +25,17 @@ ERROR_TYPE = {400: "invalid_request_error", 413: "invalid_request_error",
               502: "api_error", 504: "api_error", 401: "authentication_error"}
 
 
+def _finite(value: Any) -> Any:
+    """JSON has no Infinity or NaN (strict clients refuse them): null instead."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, Mapping):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(item) for item in value]
+    return value
+
+
 def error_response(
     status: int,
     message: str,
@@ -43,7 +54,7 @@ def error_response(
         }
     }
     if kvgate is not None:
-        body["kvgate"] = dict(kvgate)
+        body["kvgate"] = _finite(dict(kvgate))
     headers = {}
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))

@@ -31,7 +31,7 @@ from sidecar.server.requests import (
     parse_generation,
 )
 from sidecar.server.services import Services
-from sidecar.server.token_stream import TokenCounter
+from sidecar.server.token_stream import EventAligner, TokenCounter
 from sidecar.upstream import UpstreamError
 
 log = logging.getLogger("kvgate.proxy")
@@ -56,6 +56,29 @@ def _unavailable(message: str) -> web.Response:
     return error_response(503, message, code="unavailable", retry_after_s=5.0)
 
 
+def _draining(services: Services) -> web.Response:
+    return error_response(503, "the sidecar is shutting down", code="draining",
+                          retry_after_s=services.settings.drain_timeout_s)
+
+
+def _upstream_failed(services: Services, exc: Exception) -> web.Response:
+    """No response from the server: 504 when it stayed silent longer than
+    --read-timeout-s, else 503 (refused, reset, connect timeout) or 502 (garbage)."""
+    if services.watcher is not None:
+        services.watcher.poke()
+    name = exc.__class__.__name__
+    if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
+        services.metrics.upstream_errors.labels("timeout").inc()
+        timeout_s = services.settings.read_timeout_s
+        return error_response(504, f"the model server did not answer within {timeout_s:g} s "
+                              "(--read-timeout-s)", code="upstream_timeout", retry_after_s=5.0)
+    services.metrics.upstream_errors.labels("connect").inc()
+    if isinstance(exc, aiohttp.ClientConnectionError | TimeoutError):
+        return _unavailable(f"the model server is unavailable ({name})")
+    return error_response(502, f"the model server answered something unusable ({name})",
+                          code="upstream_failed", retry_after_s=5.0)
+
+
 async def _read_body(request: web.Request) -> bytes | web.Response:
     try:
         return await request.read()
@@ -74,6 +97,7 @@ async def generation(request: web.Request) -> web.StreamResponse:
 
 
 async def _generation(request: web.Request, services: Services) -> web.StreamResponse:
+    arrived_at = time.monotonic()
     raw = await _read_body(request)
     if isinstance(raw, web.Response):
         return raw
@@ -84,8 +108,7 @@ async def _generation(request: web.Request, services: Services) -> web.StreamRes
     except BadRequest as exc:
         return error_response(400, str(exc), code="invalid_request", param=exc.param)
     if services.draining:
-        return error_response(503, "the sidecar is shutting down", code="draining",
-                              retry_after_s=services.settings.drain_timeout_s)
+        return _draining(services)
     controller = services.controller
     if controller is None:
         reason = services.ready[1]
@@ -106,8 +129,10 @@ async def _generation(request: web.Request, services: Services) -> web.StreamRes
         ticket = await controller.admit(admission)
     except Rejected as rejected:
         return rejection_response(rejected.decision)
+    # Known so far (counting the prompt, waiting in the queue) plus the predicted prefill.
+    ticket.predicted_ttft_s = (time.monotonic() - arrived_at) + ticket.cost.prefill_s
     services.metrics.predicted(ticket.predicted_ttft_s, ticket.predicted_tpot_s)
-    return await forward(request, raw, services, ticket=ticket, gen=gen)
+    return await forward(request, raw, services, ticket=ticket, gen=gen, arrived_at=arrived_at)
 
 
 async def _count_prompt(services: Services, gen: GenerationRequest) -> int:
@@ -136,6 +161,8 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
         raw = await _read_body(request)
         if isinstance(raw, web.Response):
             return raw
+        if services.draining:
+            return _draining(services)
         return await forward(request, raw, services)
 
 
@@ -146,6 +173,7 @@ async def forward(
     *,
     ticket: Ticket | None = None,
     gen: GenerationRequest | None = None,
+    arrived_at: float | None = None,
 ) -> web.StreamResponse:
     """Send the request upstream and stream the answer back; settle the ticket."""
     session = request.app[SESSION]
@@ -172,12 +200,8 @@ async def forward(
                 allow_redirects=False,
                 auto_decompress=False,
             )
-        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
-            kind = "timeout" if isinstance(exc, TimeoutError) else "connect"
-            services.metrics.upstream_errors.labels(kind).inc()
-            if services.watcher is not None:
-                services.watcher.poke()
-            return _unavailable(f"the model server is unavailable ({exc.__class__.__name__})")
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            return _upstream_failed(services, exc)
         try:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             response.headers.update(_forward_headers(upstream.headers, HOP_BY_HOP))
@@ -188,6 +212,12 @@ async def forward(
                 response.headers["x-kvgate-predicted-ttft-ms"] = (
                     f"{ticket.predicted_ttft_s * 1000:.1f}")
                 response.headers["x-kvgate-kv-blocks"] = str(ticket.cost.kv_blocks)
+                response.headers["x-kvgate-predicted-tpot-ms"] = (
+                    f"{ticket.predicted_tpot_s * 1000:.2f}")
+            # Streams are passed on in whole events, so that the error event below is
+            # never glued to half an event.
+            events = (EventAligner() if gen is not None and gen.stream
+                      and upstream.content_type == "text/event-stream" else None)
             await response.prepare(request)
             try:
                 async for chunk in upstream.content.iter_any():
@@ -196,7 +226,9 @@ async def forward(
                             first_at = time.monotonic()
                             ticket.first_token()
                         ticket.progress(counter.tokens)
-                    await response.write(chunk)
+                    out = events.feed(chunk) if events is not None else chunk
+                    if out:
+                        await response.write(out)
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
                     TimeoutError) as exc:
                 # The server died or stalled mid-response: end the stream with an error
@@ -205,12 +237,16 @@ async def forward(
                 services.metrics.upstream_errors.labels(kind).inc()
                 if services.watcher is not None:
                     services.watcher.poke()
-                if gen is not None and gen.stream:
+                if events is not None:
                     message = b'{"error": {"message": "the model server failed mid-stream", ' \
                               b'"type": "api_error", "code": "upstream_failed", "param": null}}'
-                    await response.write(b"data: " + message + b"\n\n")
-                response.force_close()
+                    await response.write(events.error_event(b"data: " + message + b"\n\n"))
+                else:
+                    # A body shorter than announced: only closing the connection says so.
+                    response.force_close()
                 return response
+            if events is not None and (rest := events.flush()):
+                await response.write(rest)
             await response.write_eof()
             completed = upstream.status < 400
             if upstream.status >= 500:
@@ -226,29 +262,20 @@ async def forward(
             counter.finish()
             ticket.finish(counter.tokens if counter.tokens else None, completed=completed)
             if completed:
-                _observe(services, ticket, gen, sent_at, first_at, counter, batch_at_start)
+                _observe(services, ticket, gen, arrived_at or sent_at, sent_at, first_at, counter,
+                         batch_at_start)
 
 
-def _observe(services: Services, ticket: Ticket, gen: GenerationRequest | None, sent_at: float,
-             first_at: float | None, counter: TokenCounter, batch_at_start: int) -> None:
-    """Predicted vs observed, for the metrics and the calibration."""
-    ended = time.monotonic()
-    tokens = counter.tokens
-    services.observe_request_size(ticket.request.prompt_tokens + tokens)
-    if first_at is None or gen is None or not gen.stream:
-        return
-    ttft = first_at - sent_at
-    services.metrics.observed("ttft", ttft, ticket.cost.prefill_s)
-    tpot = (ended - first_at) / (tokens - 1) if tokens >= 2 else None
-    if tpot is not None:
-        services.metrics.observed("tpot", tpot, ticket.predicted_tpot_s)
-    calibrator, served = services.calibrator, services.served
-    if calibrator is not None and served is not None:
-        context = ticket.request.prompt_tokens + tokens // 2
-        calibrator.observe_prefill(served, ticket.request.prompt_tokens, batch_at_start,
-                                   context, ttft)
-        if tpot is not None:
-            batch = max(1, (batch_at_start + 1 + (services.controller.inflight + 1
-                                                  if services.controller else 1)) // 2)
-            calibrator.observe_decode(served, batch, context, tpot)
-        services.apply_calibration()
+def _observe(services: Services, ticket: Ticket, gen: GenerationRequest | None,
+             arrived_at: float, sent_at: float, first_at: float | None, counter: TokenCounter,
+             batch_at_start: int) -> None:
+    services.observe_completion(
+        ticket,
+        streamed=bool(gen and gen.stream),
+        arrived_at=arrived_at,
+        sent_at=sent_at,
+        first_token_at=first_at,
+        ended_at=time.monotonic(),
+        output_tokens=counter.tokens,
+        batch_at_start=batch_at_start,
+    )

@@ -24,6 +24,8 @@ ROUTES = {
 }
 MAX_SEQUENCES = 128
 MAX_PROMPTS = 64
+# Far above any context length; bounds the arithmetic on absurd values (10**4000).
+MAX_OUTPUT_TOKENS = 1 << 30
 # vLLM's default for /v1/completions when max_tokens is absent.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -53,18 +55,25 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _positive_int(body: Mapping[str, Any], name: str, *, limit: int | None = None) -> int | None:
+def _show(value: object) -> str:
+    """A bad value, short enough for an error message."""
+    text = json.dumps(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _positive_int(body: Mapping[str, Any], name: str, *,
+                  limit: int | None = MAX_OUTPUT_TOKENS) -> int | None:
     value = body.get(name)
     if value is None:
         return None
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if not _is_int(value):
-        raise BadRequest(f"'{name}' must be an integer, got {json.dumps(value)[:40]}", name)
+        raise BadRequest(f"'{name}' must be an integer, got {_show(value)}", name)
     if value < 1:
-        raise BadRequest(f"'{name}' must be >= 1, got {value}", name)
+        raise BadRequest(f"'{name}' must be >= 1, got {_show(value)}", name)
     if limit is not None and value > limit:
-        raise BadRequest(f"'{name}' must be <= {limit}, got {value}", name)
+        raise BadRequest(f"'{name}' must be <= {limit}, got {_show(value)}", name)
     return int(value)
 
 
@@ -122,9 +131,14 @@ def _messages(value: object, name: str) -> list[dict[str, Any]]:
 def parse_body(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        detail = getattr(exc, "msg", "not UTF-8")
-        raise BadRequest(f"request body is not valid JSON ({detail})") from exc
+    except UnicodeDecodeError as exc:
+        raise BadRequest("request body is not valid JSON (not UTF-8)") from exc
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"request body is not valid JSON ({exc.msg})") from exc
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        raise BadRequest(f"request body is not usable JSON ({str(exc)[:80]})") from exc
+    except RecursionError as exc:
+        raise BadRequest("request body is not usable JSON (nested too deeply)") from exc
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     return body
@@ -267,5 +281,6 @@ def estimate_tokens(texts: Sequence[str], messages: int) -> int:
     """The fallback when /tokenize fails: one token per 3 UTF-8 bytes (BPE vocabularies
     average 3.5-4.5 bytes per token in English, so this over-counts, which reserves on
     the safe side) plus 8 tokens of chat template per message."""
-    size = sum(len(text.encode("utf-8")) for text in texts)
+    # surrogatepass: JSON may carry lone surrogates ("\ud800"), which strict UTF-8 refuses.
+    size = sum(len(text.encode("utf-8", "surrogatepass")) for text in texts)
     return math.ceil(size / 3) + 8 * messages + 1

@@ -27,6 +27,7 @@ from sidecar.admission import (
     Mode,
     QueueLimits,
     ServerState,
+    Ticket,
 )
 from sidecar.calibration import CalibrationStore, Calibrator
 from sidecar.metrics import SidecarMetrics, StateView
@@ -161,7 +162,11 @@ class Services:
         if self.controller is not None:
             self.controller.update_server(self._server_state(after))
         if self.calibrator is not None and self.served is not None:
-            self.calibrator.observe_server(before, after, self.served)
+            if after.restarts > before.restarts:
+                self.calibrator.server_restarted()
+            slowdown = (self.controller.prefill_load.slowdown(self.clock())
+                        if self.controller else 1.0)
+            self.calibrator.observe_server(before, after, self.served, slowdown)
             self.apply_calibration()
 
     def _learned(self, model: ModelInfo, view: UpstreamView) -> LearnedServer | None:
@@ -273,7 +278,48 @@ class Services:
 
     # ---- observations ----------------------------------------------------------------
 
-    def observe_request_size(self, tokens: int) -> None:
+    def observe_completion(
+        self,
+        ticket: Ticket,
+        *,
+        streamed: bool,
+        arrived_at: float,
+        sent_at: float,
+        first_token_at: float | None,
+        ended_at: float,
+        output_tokens: int,
+        batch_at_start: int,
+    ) -> None:
+        """Predicted vs observed for a completed request: metrics and calibration.
+
+        Observed TTFT runs from the request's arrival at kvgate to its first streamed
+        token, as the client sees it; the prediction (`ticket.predicted_ttft_s`) is
+        what was known at admission (prompt counting, queue wait) plus the predicted
+        prefill. The calibration fits the part after admission, which the model
+        predicts. TPOT is the time per token after the first.
+        """
+        self._observe_request_size(ticket.request.prompt_tokens + output_tokens)
+        if not streamed or first_token_at is None:
+            return
+        self.metrics.observed("ttft", first_token_at - arrived_at, ticket.predicted_ttft_s)
+        tpot = (ended_at - first_token_at) / (output_tokens - 1) if output_tokens >= 2 else None
+        if tpot is not None:
+            self.metrics.observed("tpot", tpot, ticket.predicted_tpot_s)
+        calibrator, served = self.calibrator, self.served
+        if calibrator is None or served is None:
+            return
+        # Deflate by the prefill load of the time: the lines fit the engine's own speed.
+        slowdown = self.controller.prefill_load.slowdown(ended_at) if self.controller else 1.0
+        context = ticket.request.prompt_tokens + output_tokens // 2
+        calibrator.observe_prefill(served, ticket.request.prompt_tokens, batch_at_start,
+                                   context, (first_token_at - ticket.admitted_s) / slowdown)
+        if tpot is not None:
+            now_running = self.controller.inflight if self.controller else 0
+            batch = max(1, (batch_at_start + 1 + now_running + 1) // 2)
+            calibrator.observe_decode(served, batch, context, tpot / slowdown)
+        self.apply_calibration()
+
+    def _observe_request_size(self, tokens: int) -> None:
         if self._typical_tokens is None:
             self._typical_tokens = float(tokens)
         else:

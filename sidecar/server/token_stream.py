@@ -62,3 +62,39 @@ class TokenCounter:
             found = _USAGE.findall(self._tail)
             if found:
                 self.usage_tokens = int(found[-1])
+
+
+class EventAligner:
+    """Pass a text/event-stream on in whole events (up to `limit` bytes of a partial
+    one are held back), so that an event kvgate adds after an upstream failure starts
+    on an event boundary instead of completing half an event."""
+
+    def __init__(self, limit: int = _TAIL_BYTES) -> None:
+        self.limit = limit
+        self._pending = b""
+        self._at_boundary = True  # everything passed on so far ended an event
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The bytes to pass on now (whole events)."""
+        data = self._pending + chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            if len(data) <= self.limit:
+                self._pending = data
+                return b""
+            self._pending = b""  # a pathological event: pass it on as it is
+            self._at_boundary = False
+            return data
+        self._pending = data[end + 2:]
+        self._at_boundary = True
+        return data[:end + 2]
+
+    def flush(self) -> bytes:
+        """What is left at the end of a complete stream."""
+        data, self._pending = self._pending, b""
+        return data
+
+    def error_event(self, event: bytes) -> bytes:
+        """`event`, to send after a failure: a held partial event is dropped."""
+        self._pending = b""
+        return event if self._at_boundary else b"\n\n" + event

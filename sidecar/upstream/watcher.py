@@ -94,12 +94,22 @@ class UpstreamWatcher:
         except UpstreamError as exc:
             failures = before.consecutive_failures + 1
             down = exc.kind == "connect" or failures >= self.failures_before_down
+            models = () if down else before.models
+            if down and exc.kind != "connect" and before.up:
+                # Only /metrics may be failing: a server that still answers stays up,
+                # its metrics go stale and decisions fall back to the model alone.
+                alive = await self._alive()
+                if alive is not None:
+                    if failures == self.failures_before_down:
+                        log.warning("the server's /metrics fails (%s) but the server "
+                                    "answers: its metrics will go stale", exc)
+                    down, models = False, alive
             after = replace(
                 before,
                 up=before.up and not down,
                 last_error=str(exc),
                 consecutive_failures=failures,
-                models=() if down else before.models,
+                models=models,
             )
             if before.up and down:
                 log.warning("upstream is down: %s", exc)
@@ -109,3 +119,11 @@ class UpstreamWatcher:
         if self.on_update is not None:
             self.on_update(before, after)
         return after
+
+    async def _alive(self) -> tuple[ModelInfo, ...] | None:
+        """The served models if the server answers /v1/models, else None."""
+        try:
+            models = tuple(await self.client.models())
+        except UpstreamError:
+            return None
+        return models or None

@@ -96,6 +96,17 @@ _COMMON = dict(
 )
 
 MODELS: dict[str, dict] = {
+    # A llama large enough for its prefill to be compute-bound on these cores
+    # (~14 M parameters): the calibration tests use it.
+    "small-llama": dict(
+        model_type="llama",
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=64,
+    ),
     # llama, GQA 4 query heads / 2 KV heads, head_dim 32 (= 128 / 4).
     "tiny-llama": dict(
         model_type="llama",

@@ -1,0 +1,43 @@
+"""How busy the server is with prefills: a decaying rate of admitted prefill time.
+
+vLLM runs prefills and decodes in the same steps, so while it prefills new prompts
+the running requests decode more slowly, and a new prompt may find the engine busy
+with others. If prefills take a share rho of the engine's time (seconds of
+predicted prefill admitted per second), decoding gets 1 - rho of it:
+
+    TPOT ~ decode step / (1 - rho)        TTFT ~ own prefill / (1 - rho)
+
+rho is estimated as an exponentially decaying sum of the admitted prefill seconds
+over a time constant (10 s), capped so that predictions stay finite.
+"""
+
+from __future__ import annotations
+
+import math
+
+MAX_UTILISATION = 0.8
+
+
+class PrefillLoad:
+    def __init__(self, time_constant_s: float = 10.0) -> None:
+        self.time_constant_s = time_constant_s
+        self._sum = 0.0
+        self._at: float | None = None
+
+    def _decay_to(self, now: float) -> None:
+        if self._at is not None and now > self._at:
+            self._sum *= math.exp(-(now - self._at) / self.time_constant_s)
+        self._at = now if self._at is None else max(self._at, now)
+
+    def add(self, now: float, prefill_s: float) -> None:
+        self._decay_to(now)
+        self._sum += max(0.0, prefill_s)
+
+    def utilisation(self, now: float) -> float:
+        """The share of engine time spent prefilling lately, in [0, MAX_UTILISATION]."""
+        self._decay_to(now)
+        return min(MAX_UTILISATION, self._sum / self.time_constant_s)
+
+    def slowdown(self, now: float) -> float:
+        """The factor 1 / (1 - rho) by which prefill work stretches other work."""
+        return 1.0 / (1.0 - self.utilisation(now))
