@@ -52,18 +52,29 @@ def build_parser(prog: str = "kvgate serve") -> Parser:
     for name, field in FIELDS.items():
         flag = flag_name(name)
         help_text = f"{field.description} [{env_name(name)}]"
-        if name in BOOLEAN_FIELDS:
-            parser.add_argument(flag, dest=name, action="store_const", const=True,
-                                default=None, help=help_text)
-            continue
-        choices = get_args(field.annotation)
-        literal = [c for c in choices if isinstance(c, str)]
         default = field.default
-        if default is not None:
+        if name in BOOLEAN_FIELDS:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                default=None, help=f"{help_text} (default: "
+                                f"{'on' if default else 'off'})")
+            continue
+        literal = [c for c in _choices(field.annotation) if isinstance(c, str)]
+        if field.is_required():
+            help_text += " (required)"
+        elif default is not None:
             help_text += f" (default: {default})"
-        parser.add_argument(flag, dest=name, default=None, metavar=name.upper(),
+        metavar = "{" + ",".join(literal) + "}" if literal else name.upper()
+        parser.add_argument(flag, dest=name, default=None, metavar=metavar,
                             choices=literal or None, help=help_text)
     return parser
+
+
+def _choices(annotation: Any) -> tuple[Any, ...]:
+    """The values of a Literal (also inside `Literal[...] | None`)."""
+    values: list[Any] = []
+    for arg in get_args(annotation) or ():
+        values += list(get_args(arg)) if get_args(arg) else [arg]
+    return tuple(values)
 
 
 def run(argv: Sequence[str], prog: str = "kvgate serve") -> int:

@@ -11,7 +11,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from sidecar.cli.plan import PlanInput, compute_plan
+from sidecar.model.summary import PlanInput, compute_plan
 from sidecar.server.errors import error_response
 from sidecar.server.keys import SERVICES
 

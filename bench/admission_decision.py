@@ -1,0 +1,147 @@
+"""What one admission decision costs with a long queue.
+
+One command: `python bench/admission_decision.py [--smoke] [--out FILE]`
+
+Sets up the admission core for Qwen3-8B on an H100 (capacity from the model), fills
+the KV cache with running requests and the queue with 10,000 waiting requests (three
+priority bands, 50 tenants), then times, with `time.perf_counter_ns`, the decision
+for each of many new arrivals (cost, never-fits check, headroom, predicted wait and
+TTFT, queue-full and deadline checks) and, separately, entering the queue and
+choosing the next request to dispatch. Garbage collection stays on, as in service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sidecar.admission import (  # noqa: E402
+    AdmissionController,
+    AdmissionRequest,
+    AdmissionSettings,
+    CostModel,
+    QueueLimits,
+    ServerState,
+)
+from sidecar.admission.queue import Entry  # noqa: E402
+from sidecar.model import Deployment, ServedModel, find_gpu, read_architecture  # noqa: E402
+
+QUEUED = 10_000
+TENANTS = 50
+
+
+def percentile(values: list[int], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(share * len(ordered)))] / 1000.0
+
+
+def stats(values: list[int]) -> dict[str, float]:
+    return {"p50_us": percentile(values, 0.5), "p99_us": percentile(values, 0.99),
+            "max_us": max(values) / 1000.0, "mean_us": statistics.fmean(values) / 1000.0,
+            "samples": len(values)}
+
+
+def run(samples: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    served = ServedModel(read_architecture("Qwen/Qwen3-8B"),
+                         Deployment(max_model_len=32_768), find_gpu("H100"))
+    controller = AdmissionController(
+        CostModel(served),
+        AdmissionSettings(limits=QueueLimits(max_length=QUEUED * 2, max_wait_s=3600)),
+    )
+    controller.update_server(ServerState(available=True))
+
+    def request() -> AdmissionRequest:
+        return AdmissionRequest(
+            prompt_tokens=rng.randint(50, 8000), max_tokens=rng.randint(16, 2048),
+            band=rng.randint(0, 2), tenant=f"tenant-{rng.randrange(TENANTS)}",
+            ttft_slo_s=rng.choice((None, 2.0, 10.0)))
+
+    # Fill the cache with running requests, then the queue with waiting ones.
+    running = 0
+    while True:
+        req = request()
+        cost, decision = controller._decide_at_arrival(req, controller.clock())
+        if decision is not None or cost is None:
+            break
+        controller._start(req, cost, controller.clock(), queue_wait_s=0.0,
+                          predicted_ttft_s=cost.prefill_s)
+        running += 1
+    # The waiting requests enter the queue as admit() would queue them (nothing frees
+    # KV during the measurement, so none is dispatched).
+    while len(controller.queue) < QUEUED:
+        req = request()
+        cost = controller._cost(req)
+        controller.queue.push(Entry(
+            arrival_s=controller.clock(), band=req.band, tenant=req.tenant,
+            blocks=cost.kv_blocks, cost=cost.gpu_seconds(controller.ledger.capacity_blocks),
+        ))
+
+    decide, enqueue, choose = [], [], []
+    clock = time.perf_counter_ns
+    for _ in range(samples):
+        req = request()
+        started = clock()
+        cost, _decision = controller._decide_at_arrival(req, controller.clock())
+        decide.append(clock() - started)
+        assert cost is not None
+        entry = Entry(arrival_s=controller.clock(), band=req.band, tenant=req.tenant,
+                      blocks=cost.kv_blocks, cost=1.0)
+        started = clock()
+        controller.queue.push(entry)
+        enqueue.append(clock() - started)
+        started = clock()
+        controller.queue.peek(controller.clock())
+        choose.append(clock() - started)
+        controller.queue.remove(entry)
+    return {
+        "model": "Qwen/Qwen3-8B on H100-SXM, max_model_len 32768",
+        "running_requests": running,
+        "queued_requests": QUEUED,
+        "tenants": TENANTS,
+        "decision": stats(decide),
+        "enqueue": stats(enqueue),
+        "choose_next": stats(choose),
+        "decision_plus_enqueue_p99_us": percentile(
+            [a + b for a, b in zip(decide, enqueue, strict=True)], 0.99),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="fewer samples (CI)")
+    parser.add_argument("--samples", type=int, default=20_000)
+    parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    result = run(1000 if args.smoke else args.samples, args.seed)
+    result.update({
+        "command": "python bench/admission_decision.py " + " ".join(argv or sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
+                   f"{platform.python_version()}",
+    })
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for name in ("decision", "enqueue", "choose_next"):
+        s = result[name]
+        print(f"{name:12s} p50 {s['p50_us']:7.1f} us   p99 {s['p99_us']:7.1f} us   "
+              f"max {s['max_us']:8.1f} us   ({s['samples']} samples)")
+    print(f"with {result['queued_requests']:,} queued and {result['running_requests']} running; "
+          f"decision + enqueue p99 {result['decision_plus_enqueue_p99_us']:.1f} us")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

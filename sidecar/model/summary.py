@@ -1,0 +1,112 @@
+"""The plan of a served model as one JSON-ready object: what `kvgate plan --json`
+prints and what a running sidecar answers on GET /kvgate/v1/plan."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from sidecar.model.planning import ChainCall, chain, recommend, steady_latency
+from sidecar.model.served import ServedModel
+
+
+@dataclass(frozen=True)
+class PlanInput:
+    served: ServedModel
+    sequence_tokens: int
+    prompt_tokens: int
+    output_tokens: int
+    concurrency: int
+    arrival_rate: float | None
+    ttft_slo_s: float | None
+    tpot_slo_s: float | None
+    kv_margin: float
+    chain: tuple[ChainCall, ...]
+    prefix_cache: bool
+
+
+def compute_plan(plan: PlanInput) -> dict[str, Any]:
+    """The plan as one JSON-ready object (the `--json` contract)."""
+    served = plan.served
+    arch = served.arch
+    capacity = served.capacity
+    budget = served.memory_budget
+    latency = steady_latency(served, plan.prompt_tokens, plan.output_tokens, plan.concurrency)
+    rec = recommend(
+        served,
+        plan.prompt_tokens,
+        plan.output_tokens,
+        plan.arrival_rate,
+        plan.ttft_slo_s,
+        plan.tpot_slo_s,
+        plan.kv_margin,
+    )
+    kv_budget = served.kv_budget_bytes
+    weights_fit = budget is None or (
+        served.weights_bytes < budget.total_bytes * budget.utilization
+    )
+    fits = bool(weights_fit and capacity is not None and capacity.fits_one_request)
+    result: dict[str, Any] = {
+        "model": arch.name,
+        "model_type": arch.model_type,
+        "gpu": served.gpu.name if served.gpu else None,
+        "tp": served.deployment.tp,
+        "weight_precision": served.weight_precision.label,
+        "kv_cache_element_bytes": served.kv_element_bytes,
+        "block_size": served.deployment.block_size,
+        "max_model_len": served.max_model_len,
+        "max_num_batched_tokens": served.max_num_batched_tokens,
+        "params_total": arch.params_total(),
+        "params_active": arch.params_active(),
+        "weights_bytes": served.weights_bytes,
+        "kv_bytes_per_token": round(served.kv_bytes_per_token),
+        "sequence_tokens": plan.sequence_tokens,
+        "kv_bytes_per_sequence": round(served.kv_bytes_per_sequence(plan.sequence_tokens)),
+        "kv_layout": served.layout.describe(),
+        "kv_budget_bytes": kv_budget,
+        "kv_budget_source": "given" if served.deployment.available_kv_bytes else (
+            "estimated" if budget else None),
+        "activation_peak_bytes": budget.activation_bytes if budget else None,
+        "non_torch_bytes": budget.non_torch_bytes if budget else None,
+        "num_gpu_blocks": capacity.num_blocks if capacity else None,
+        "bytes_per_block": capacity.bytes_per_block if capacity else None,
+        "blocks_per_max_len_request": capacity.blocks_per_request if capacity else None,
+        "kv_capacity_tokens": capacity.kv_capacity_tokens if capacity else None,
+        "max_concurrency": capacity.max_concurrency if capacity else None,
+        "prompt_tokens": plan.prompt_tokens,
+        "output_tokens": plan.output_tokens,
+        "concurrency": plan.concurrency,
+        "ttft_s": latency.ttft_s if latency else None,
+        "tpot_s": latency.tpot_s if latency else None,
+        "e2e_s": latency.e2e_s if latency else None,
+        "prefill_bound": latency.prefill_bound if latency else None,
+        "decode_bound": latency.decode_bound if latency else None,
+        "efficiency": served.efficiency.as_dict(),
+        "fits": fits,
+        "recommendation": {
+            "max_num_seqs": rec.max_num_seqs,
+            "limited_by": rec.limited_by,
+            "kv_margin": plan.kv_margin,
+            "arrival_rate": plan.arrival_rate,
+            "concurrency_needed": rec.concurrency_needed,
+            "replicas": rec.replicas,
+            "gpu_memory_utilization": served.deployment.gpu_memory_utilization,
+            "ttft_s_at_max": rec.latency_at_max.ttft_s if rec.latency_at_max else None,
+            "tpot_s_at_max": rec.latency_at_max.tpot_s if rec.latency_at_max else None,
+        },
+    }
+    if plan.chain:
+        estimate = chain(served, plan.chain, plan.prefix_cache, plan.concurrency)
+        result["chain"] = None if estimate is None else {
+            "prefix_cache": plan.prefix_cache,
+            "total_s": estimate.total_s,
+            "prefill_tokens": estimate.prefill_tokens,
+            "calls": [
+                {"input_tokens": c.call.input_tokens, "output_tokens": c.call.output_tokens,
+                 "cached_tokens": c.cached_tokens, "ttft_s": c.ttft_s, "decode_s": c.decode_s}
+                for c in estimate.calls
+            ],
+        }
+    return result
+
+
