@@ -132,3 +132,24 @@ def test_top_level_help_and_unknown_command(capsys: pytest.CaptureFixture[str]) 
     assert main(["--help"]) == 0
     assert "plan" in capsys.readouterr().out
     assert main(["frobnicate"]) == 2
+
+
+def test_helm_values_from_plan_render_with_the_chart(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from support.helm import render
+
+    assert main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "L40S", "--tp", "2",
+                 "--arrival-rate", "20", "--print", "helm-values"]) == 0
+    values = tmp_path / "values.yaml"
+    values.write_text(capsys.readouterr().out)
+    manifests = render(Path(__file__).resolve().parent.parent / "helm" / "kvgate", [values])
+    deployment = next(m for m in manifests if m["kind"] == "Deployment")
+    containers = {c["name"]: c for c in deployment["spec"]["template"]["spec"]["containers"]}
+    assert main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "L40S", "--tp", "2",
+                 "--arrival-rate", "20", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    args = " ".join(containers["vllm"].get("args", []) + containers["vllm"].get("command", []))
+    assert str(plan["recommendation"]["max_num_seqs"]) in args
+    env = {e["name"]: e.get("value") for e in containers["kvgate"]["env"]}
+    assert env["KVGATE_GPU"] == "L40S" and env["KVGATE_TP"] == "2"

@@ -320,20 +320,21 @@ def vllm_args(result: dict[str, Any], model: str) -> str:
 
 
 def helm_values(result: dict[str, Any], model: str) -> str:
+    """Values for the kvgate Helm chart (helm/kvgate) from the recommendation."""
     rec = result["recommendation"]
+    served_name = str(result["model"])
+    directory = Path(model).name if Path(model).exists() else served_name.rpartition("/")[2]
     lines = [
-        "# Helm values for the kvgate chart, from `kvgate plan`",
+        "# Values for the kvgate chart (helm/kvgate), from `kvgate plan`",
         "model:",
-        f"  config: {json.dumps(model)}",
+        f"  name: {json.dumps(directory)}",
+        f"  servedModelName: {json.dumps(served_name)}",
         f"  maxModelLen: {result['max_model_len']}",
-        "vllm:",
-        "  args:",
-        f"    - --tensor-parallel-size={result['tp']}",
-        f"    - --max-model-len={result['max_model_len']}",
-        f"    - --max-num-seqs={rec['max_num_seqs']}",
-        f"    - --gpu-memory-utilization={rec['gpu_memory_utilization']}",
-        "kvgate:",
-        f"  gpu: {json.dumps(result['gpu'] or '')}",
+        f"  maxNumSeqs: {rec['max_num_seqs']}",
+        f"  gpuMemoryUtilization: {rec['gpu_memory_utilization']}",
+        "gpu:",
+        f"  name: {json.dumps(result['gpu'] or '')}",
+        f"  count: {result['tp']}",
         f"replicaCount: {rec['replicas'] or 1}",
     ]
     if rec["replicas"]:

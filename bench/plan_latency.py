@@ -1,0 +1,59 @@
+"""How long `kvgate plan --json` takes, start to finish, as a user runs it.
+
+One command: `python bench/plan_latency.py [--runs 20] [--out FILE]`
+
+Runs the command as a fresh process each time (interpreter start-up and imports
+included) for a dense model on a GPU and for a hybrid MoE with a logged budget, and
+reports the median and worst wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CASES = {
+    "dense, GPU": ["--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--arrival-rate", "4"],
+    "hybrid MoE, logged budget": ["--model", "openai/gpt-oss-120b", "--available-kv-gib",
+                                  "36.5", "--max-model-len", "131072"],
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    results = {}
+    for name, case in CASES.items():
+        times = []
+        for _ in range(args.runs):
+            started = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "sidecar", "plan", *case, "--json"],
+                           check=True, capture_output=True)
+            times.append(time.perf_counter() - started)
+        results[name] = {"median_s": statistics.median(times), "max_s": max(times),
+                         "runs": args.runs}
+        print(f"{name:28s} median {results[name]['median_s'] * 1000:6.0f} ms   "
+              f"max {results[name]['max_s'] * 1000:6.0f} ms   ({args.runs} runs)")
+    document = {
+        "results": results,
+        "command": "python bench/plan_latency.py " + " ".join(argv or sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
+                   f"{platform.python_version()}",
+    }
+    if args.out:
+        args.out.write_text(json.dumps(document, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
