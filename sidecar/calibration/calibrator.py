@@ -31,8 +31,6 @@ from sidecar.calibration.store import CalibrationStore
 from sidecar.model import Efficiency, ServedModel
 from sidecar.upstream import UpstreamView
 
-IDEAL = Efficiency(compute=1.0, bandwidth=1.0, per_layer_s=0.0, per_step_s=0.0,
-                   allreduce_latency_s=0.0)
 MIN_EFFICIENCY = 0.001
 MAX_OVERHEAD_S = 2.0
 _CONTEXT_BUCKET = 128
@@ -54,8 +52,9 @@ class Calibrator:
         self._prior: Efficiency | None = None
         self._decode: RobustLine | None = None
         self._prefill: RobustLine | None = None
-        self._ideal: ServedModel | None = None
-        self._ideal_cache: dict[tuple[str, int, int], float] = {}
+        self._served: ServedModel | None = None
+        self._ideal: dict[float, ServedModel] = {}
+        self._ideal_cache: dict[tuple[str, int, int, int, float], float] = {}
         self._since_save = 0
 
     @staticmethod
@@ -79,21 +78,43 @@ class Calibrator:
                                   (1.0, 1.0 / MIN_EFFICIENCY), (0.0, MAX_OVERHEAD_S))
         self._prefill = RobustLine(1.0 / prior.compute, overhead + prior.per_request_s,
                                    (1.0, 1.0 / MIN_EFFICIENCY), (0.0, MAX_OVERHEAD_S))
-        self._ideal = served.with_efficiency(IDEAL)
+        self._served = served
+        self._ideal.clear()
         self._ideal_cache.clear()
 
+    def _ideal_model(self, compute: float) -> ServedModel:
+        """The model with no overheads, full bandwidth and the given compute efficiency."""
+        assert self._served is not None and self._prior is not None
+        found = self._ideal.get(compute)
+        if found is None:
+            efficiency = replace(self._prior, compute=compute, bandwidth=1.0, per_layer_s=0.0,
+                                 per_step_s=0.0, per_request_s=0.0, allreduce_latency_s=0.0)
+            found = self._ideal[compute] = self._served.with_efficiency(efficiency)
+            if len(self._ideal) > 64:
+                self._ideal.clear()
+                self._ideal[compute] = found
+        return found
+
     def _ideal_seconds(self, kind: str, tokens: int, batch: int, context: int) -> float:
-        assert self._ideal is not None
+        """The x of a line: the roofline without overheads. Prefill at full compute
+        efficiency (its slope is 1 / compute efficiency); decode at the compute
+        efficiency fitted so far and full bandwidth (its slope is then 1 / bandwidth
+        efficiency where decode is memory-bound, and ~1 where it is compute-bound)."""
+        compute = 1.0
+        if kind == "decode":
+            assert self._prefill is not None
+            compute = float(f"{_clamp(1.0 / self._prefill.estimate()[0]):.2g}")
         context = max(1, (context // _CONTEXT_BUCKET) * _CONTEXT_BUCKET)
-        cache_key = (kind, tokens if kind == "prefill" else batch, context)
+        cache_key = (kind, tokens, batch, context, compute)
         cached = self._ideal_cache.get(cache_key)
         if cached is None:
+            model = self._ideal_model(compute)
             if kind == "decode":
-                phase = self._ideal.tpot((context,) * max(1, batch))
+                phase = model.tpot((context,) * max(1, batch))
             else:
-                phase = self._ideal.ttft(max(1, tokens), (context,) * max(0, batch))
+                phase = model.ttft(max(1, tokens), (context,) * max(0, batch))
             cached = phase.seconds if phase is not None else 0.0
-            if len(self._ideal_cache) > 4096:
+            if len(self._ideal_cache) > 8192:
                 self._ideal_cache.clear()
             self._ideal_cache[cache_key] = cached
         return cached
@@ -157,6 +178,8 @@ class Calibrator:
         self._ensure(served)
         assert self._prior is not None and self._decode is not None and self._prefill is not None
         prior = self._prior
+        if not self._decode.observations and not self._prefill.observations:
+            return prior
         decode_slope, overhead = self._decode.estimate()
         prefill_slope, prefill_overhead = self._prefill.estimate()
         prior_overhead = prior.per_step_s + prior.per_layer_s * served.arch.num_layers

@@ -2,8 +2,10 @@
 
 - decay: every observation first multiplies the accumulated weights by
   0.5 ** (1 / half_life), so the fit follows a server that changes;
-- bounded influence: an observation far from the current line (beyond `huber_k`
-  robust scales) counts with weight k s / |r| (Huber), so one outlier moves little;
+- bounded influence: an observation whose relative residual r = (y - line) / line
+  exceeds `huber_k` counts with weight k / |r| (Huber on relative error: times span
+  orders of magnitude), so one hiccup moves the fit little while a real change of a
+  factor two still counts half;
 - a prior: a ridge pull toward (prior_slope, prior_intercept) worth `prior_weight`
   observations, so the fit starts from the analytical model and moves only with
   evidence, and stays put where the data cannot tell (all x alike);
@@ -22,9 +24,9 @@ class RobustLine:
     prior_intercept: float
     slope_bounds: tuple[float, float]
     intercept_bounds: tuple[float, float]
-    prior_weight: float = 5.0
+    prior_weight: float = 2.0
     half_life: float = 200.0
-    huber_k: float = 2.0
+    huber_k: float = 0.5
     # accumulated weighted sums
     sw: float = 0.0
     swx: float = 0.0
@@ -32,7 +34,6 @@ class RobustLine:
     swxx: float = 0.0
     swxy: float = 0.0
     x_ref: float = 0.0
-    scale: float = 0.0
     observations: int = 0
 
     def estimate(self) -> tuple[float, float]:
@@ -64,11 +65,10 @@ class RobustLine:
         if not (math.isfinite(x) and math.isfinite(y)) or x <= 0 or y <= 0 or weight <= 0:
             return False
         slope, intercept = self.estimate()
-        residual = y - (slope * x + intercept)
-        if self.scale <= 0:
-            self.scale = max(0.25 * y, 1e-6)
-        limit = self.huber_k * self.scale
-        influence = 1.0 if abs(residual) <= limit else limit / abs(residual)
+        predicted = max(slope * x + intercept, 1e-12)
+        relative = (y - predicted) / predicted
+        limit = self.huber_k
+        influence = 1.0 if abs(relative) <= limit else limit / abs(relative)
         decay = 0.5 ** (1.0 / self.half_life)
         w = weight * influence
         self.sw = self.sw * decay + w
@@ -77,8 +77,6 @@ class RobustLine:
         self.swxx = self.swxx * decay + w * x * x
         self.swxy = self.swxy * decay + w * x * y
         self.x_ref = x if self.observations == 0 else 0.9 * self.x_ref + 0.1 * x
-        # Robust scale: a decaying mean of the bounded absolute residuals.
-        self.scale = 0.95 * self.scale + 0.05 * max(min(abs(residual), 3 * limit), 1e-9)
         self.observations += 1
         return True
 
