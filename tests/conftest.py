@@ -31,3 +31,18 @@ def small_kv_vllm() -> object:
     server.start()
     yield server
     server.stop()
+
+
+BIG_KV = {"max_model_len": 1024, "block_size": 32, "num_gpu_blocks_override": 1024}
+
+
+@pytest.fixture(scope="session")
+def big_kv_vllm() -> object:
+    """A real vLLM CPU server with room for streams larger than the kernel's socket
+    buffers (1,024 blocks of 32 tokens: 32 sequences of 900 tokens), for the slow-reader
+    test. Never killed or restarted by a test."""
+    server = VllmServer(vllm_python(), str(model_dir("tiny-llama")), "tiny-llama",
+                        free_port(), **BIG_KV)
+    server.start()
+    yield server
+    server.stop()

@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import json
 import os
+from collections import Counter
 from typing import Any
 
 from aiohttp import web
@@ -98,8 +99,11 @@ def _process(request: web.Request) -> dict[str, Any]:
         fds = len(os.listdir("/proc/self/fd"))
     except OSError:  # not Linux
         pass
+    tasks = Counter(getattr(task.get_coro(), "__qualname__", "?")
+                    for task in asyncio.all_tasks())
     return {
-        "asyncio_tasks": len(asyncio.all_tasks()),
+        "asyncio_tasks": sum(tasks.values()),
+        "asyncio_tasks_by_coroutine": dict(tasks),
         "active_requests": services.active_requests,
         "client_connections": clients,
         "upstream_connections": upstream,

@@ -8,9 +8,11 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator
+from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry
 
 from sidecar import __version__
@@ -25,6 +27,25 @@ from sidecar.upstream import UpstreamClient, UpstreamWatcher
 log = logging.getLogger("kvgate")
 
 WATCHER_TASK = web.AppKey("watcher_task", asyncio.Task[None])
+IDLE_TIMEOUT_S = 75.0
+
+
+class QuietMalformedRequests(logging.Filter):
+    """aiohttp logs every malformed request (a 400 from its HTTP parser) as an error
+    with a traceback that quotes the offending bytes: noise any client can cause, and
+    bytes that may be part of a prompt. Keep one DEBUG line without the bytes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+            record.msg = "refused a malformed request from %s (%s %s)"
+            record.args = (remote, exc.code, exc.__class__.__name__)
+            record.exc_info = record.exc_text = None
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            # The logger's own level was checked for ERROR: check again for DEBUG.
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
 
 
 def build_services(settings: ServeSettings, registry: CollectorRegistry) -> Services:
@@ -42,6 +63,7 @@ def build_app(services: Services, registry: CollectorRegistry) -> web.Applicatio
                           middlewares=[admin.admin_token])
     app[SERVICES] = services
     app[admin.REGISTRY] = registry
+    app[proxy.RUNNING] = set()
     app.cleanup_ctx.append(_upstream_context)
     admin.add_admin_routes(app, introspection=settings.admin_port is None)
     for path in ROUTES:
@@ -79,13 +101,19 @@ async def _upstream_context(app: web.Application) -> AsyncIterator[None]:
 
 async def serve(settings: ServeSettings, *, stop: asyncio.Event | None = None) -> int:
     """Run until SIGTERM/SIGINT (or `stop`), then drain and exit 0."""
+    server_log = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, QuietMalformedRequests) for f in server_log.filters):
+        server_log.addFilter(QuietMalformedRequests())
     registry = CollectorRegistry()
     services = build_services(settings, registry)
     app = build_app(services, registry)
     runners: list[web.AppRunner] = []
     app[admin.RUNNERS] = runners
+    # The drain has given running requests their time already: at shutdown aiohttp
+    # waits up to twice this long before it cancels the ones left. Idle connections
+    # (also ones that never send a request) close after 75 s, not aiohttp's hour.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=5.0)
+                           shutdown_timeout=1.0, keepalive_timeout=IDLE_TIMEOUT_S)
     runners.append(runner)
     await runner.setup()
     sites = [web.TCPSite(runner, settings.host, settings.port, backlog=4096)]
@@ -93,7 +121,8 @@ async def serve(settings: ServeSettings, *, stop: asyncio.Event | None = None) -
     if settings.admin_port is not None:
         admin_app = build_admin_app(services, registry)
         admin_app[admin.RUNNERS] = runners
-        admin_runner = web.AppRunner(admin_app, access_log=None)
+        admin_runner = web.AppRunner(admin_app, access_log=None,
+                                     keepalive_timeout=IDLE_TIMEOUT_S)
         runners.append(admin_runner)
         await admin_runner.setup()
         sites.append(web.TCPSite(admin_runner, settings.host, settings.admin_port))
@@ -108,7 +137,7 @@ async def serve(settings: ServeSettings, *, stop: asyncio.Event | None = None) -
             loop.add_signal_handler(signum, stop.set)
     try:
         await stop.wait()
-        await drain(services, settings.drain_timeout_s)
+        await drain(services, settings.drain_timeout_s, app[proxy.RUNNING])
     finally:
         await runner.cleanup()
         if admin_runner is not None:
@@ -117,8 +146,10 @@ async def serve(settings: ServeSettings, *, stop: asyncio.Event | None = None) -
     return 0
 
 
-async def drain(services: Services, timeout_s: float) -> None:
-    """Refuse new work, let running requests finish within the timeout."""
+async def drain(services: Services, timeout_s: float,
+                running: set[asyncio.Task[Any]] | None = None) -> None:
+    """Refuse new work, let running requests finish within the timeout, then end
+    the ones left (streams get an error event)."""
     log.info("draining: %d requests in flight, up to %.0f s", services.active_requests,
              timeout_s)
     services.draining = True
@@ -129,3 +160,8 @@ async def drain(services: Services, timeout_s: float) -> None:
     if services.active_requests:
         log.warning("drain timeout: %d requests still running are cut off",
                     services.active_requests)
+        left = list(running or ())
+        for task in left:
+            task.cancel(proxy.DRAIN_CUT)
+        if left:
+            await asyncio.wait(left, timeout=2.0)

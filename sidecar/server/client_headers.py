@@ -20,6 +20,7 @@ TTFT_SLO = "x-kvgate-ttft-slo-ms"
 CLASS_NAMES = {"high": 0, "normal": 1, "low": 2}
 _TENANT = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
 MAX_TTFT_SLO_MS = 3_600_000
+_NUMBER = re.compile(r"[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?")
 DEFAULT_TENANT = "default"
 
 
@@ -58,8 +59,10 @@ def parse_tenant(header: str | None, user: str | None) -> str:
 def parse_ttft_slo(value: str | None) -> float | None:
     if value is None:
         return None
+    text = value.strip()
     try:
-        millis = float(value.strip())
+        # float() also reads "1_000" and non-ASCII digits: a header takes plain numbers.
+        millis = float(text) if _NUMBER.fullmatch(text) else -1.0
     except ValueError:
         millis = -1.0
     if not 0 < millis <= MAX_TTFT_SLO_MS:

@@ -10,10 +10,13 @@ upstream connection so vLLM aborts the request).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import io
 import logging
 import time
 from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -41,6 +44,12 @@ HOP_BY_HOP = frozenset({
     "transfer-encoding", "upgrade", "host", "content-length",
 })
 STEERING = frozenset({PRIORITY, TENANT, TTFT_SLO})
+# Proxied requests running now, which the drain cuts off at its end (with DRAIN_CUT).
+RUNNING = web.AppKey("running", set[asyncio.Task[Any]])
+DRAIN_CUT = "kvgate: drain timeout"
+DRAINED_EVENT = (b'{"error": {"message": "the sidecar shut down before the stream ended '
+                 b'(--drain-timeout-s)", "type": "api_error", "code": "draining", '
+                 b'"param": null}}')
 LARGE_BODY_BYTES = 512 * 1024
 
 
@@ -54,6 +63,17 @@ def _forward_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMult
 
 def _unavailable(message: str) -> web.Response:
     return error_response(503, message, code="unavailable", retry_after_s=5.0)
+
+
+def _drain_cut(exc: asyncio.CancelledError) -> bool:
+    """True for the drain's own cut-off, which the request then answers (no longer
+    cancelled); False for any other cancellation (e.g. the client went away)."""
+    if not (exc.args and exc.args[0] == DRAIN_CUT):
+        return False
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()
+    return True
 
 
 def _draining(services: Services) -> web.Response:
@@ -146,7 +166,9 @@ async def _count_prompt(services: Services, gen: GenerationRequest) -> int:
             counts.append(await client.tokenize(payload))
     except UpstreamError as exc:
         services.metrics.tokenize_fallback.inc()
-        log.debug("tokenize failed (%s); estimating", exc)
+        # The server's error text may quote the prompt: logged only with --log-prompts.
+        log.debug("tokenize failed (%s); estimating", exc if services.settings.log_prompts
+                  else f"{exc.kind} error")
         texts = gen.estimate_text or ("",)
         if gen.route == "completions":
             counts += [estimate_tokens([text], 0) for text in texts]
@@ -188,6 +210,10 @@ async def forward(
     sent_at = time.monotonic()
     first_at: float | None = None
     batch_at_start = services.controller.inflight if services.controller else 0
+    task = asyncio.current_task()
+    running = request.app[RUNNING]
+    if task is not None:
+        running.add(task)
     try:
         try:
             upstream = await session.request(
@@ -202,6 +228,10 @@ async def forward(
             )
         except (aiohttp.ClientError, TimeoutError) as exc:
             return _upstream_failed(services, exc)
+        except asyncio.CancelledError as exc:
+            if not _drain_cut(exc):
+                raise
+            return _draining(services)  # no answer yet at the end of the drain
         try:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             response.headers.update(_forward_headers(upstream.headers, HOP_BY_HOP))
@@ -229,6 +259,17 @@ async def forward(
                     out = events.feed(chunk) if events is not None else chunk
                     if out:
                         await response.write(out)
+            except aiohttp.ClientConnectionResetError:
+                raise  # writing to the client failed: it went away (handled below)
+            except asyncio.CancelledError as exc:
+                if events is None or not _drain_cut(exc):
+                    raise
+                # Still streaming at the end of the drain: end with an error event.
+                response.force_close()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(response.write(events.error_event(
+                        b"data: " + DRAINED_EVENT + b"\n\n")), 1.0)
+                return response
             except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
                     TimeoutError) as exc:
                 # The server died or stalled mid-response: end the stream with an error
@@ -258,6 +299,8 @@ async def forward(
         # The client went away while we wrote to it.
         return web.Response(status=499)
     finally:
+        if task is not None:
+            running.discard(task)
         if ticket is not None:
             counter.finish()
             ticket.finish(counter.tokens if counter.tokens else None, completed=completed)

@@ -26,6 +26,8 @@ MAX_SEQUENCES = 128
 MAX_PROMPTS = 64
 # Far above any context length; bounds the arithmetic on absurd values (10**4000).
 MAX_OUTPUT_TOKENS = 1 << 30
+# vLLM's threshold for greedy sampling, which gives a single answer.
+GREEDY_TEMPERATURE = 1e-5
 # vLLM's default for /v1/completions when max_tokens is absent.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 
@@ -163,6 +165,14 @@ def _sequences(body: Mapping[str, Any]) -> int:
     best_of = _positive_int(body, "best_of", limit=MAX_SEQUENCES)
     if best_of is not None and best_of < n:
         raise BadRequest(f"'best_of' ({best_of}) must be >= 'n' ({n})", "best_of")
+    temperature = body.get("temperature")
+    if temperature is not None and (not isinstance(temperature, int | float)
+                                    or isinstance(temperature, bool)
+                                    or not 0 <= temperature < math.inf):
+        raise BadRequest("'temperature' must be a number >= 0", "temperature")
+    if n > 1 and temperature is not None and temperature < GREEDY_TEMPERATURE:
+        # vLLM refuses it too ("n must be 1 when using greedy sampling").
+        raise BadRequest(f"'n' must be 1 with greedy sampling (temperature 0), got {n}", "n")
     return max(n, best_of or 1)
 
 

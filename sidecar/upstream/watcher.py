@@ -2,7 +2,9 @@
 when the server goes away and when it comes back (perhaps different).
 
 The watcher only observes; its `on_update` callback (wired by the server's
-composition root) turns each observation into decisions.
+composition root) turns each observation into decisions. A server that refuses
+connections is down at once, one that fails twice is down unless it still answers
+`/v1/models`: then only its /metrics fail, and they go stale.
 """
 
 from __future__ import annotations
