@@ -511,6 +511,24 @@ LAYOUT: list[tuple[Panel, int, int]] = [
         12,
         7,
     ),
+    (
+        timeseries(
+            "Upstream errors",
+            "Proxied requests that failed between kvgate and vLLM, by kind: connect (refused "
+            "or unreachable), timeout (--read-timeout-s), disconnect (cut mid-answer), "
+            "status (vLLM answered 5xx).",
+            [
+                target(
+                    f"sum by (kind) (rate(kvgate_upstream_errors_total{{{K}}}[{RI}]))",
+                    "{{kind}}",
+                )
+            ],
+            unit="reqps",
+            stack=True,
+        ),
+        12,
+        7,
+    ),
     (row("vLLM server"), 24, 1),
     (
         timeseries(

@@ -236,6 +236,13 @@ class AdmissionController:
             self.ledger.set_capacity(capacity)
         self.ledger.observe(state.used_blocks, self._growth_blocks())
         self._schedule = None
+        if not state.available:
+            # Nothing can be sent until the server is back: tell the waiting clients now.
+            for entry in list(self.queue.entries()):
+                self.queue.remove(entry)
+                self._resolve(entry, Decision(
+                    Outcome.UNAVAILABLE, "the model server became unavailable while the "
+                    "request was queued", self.settings.unavailable_retry_after_s))
         self._dispatch()
 
     def set_cost_model(self, cost_model: CostModel) -> None:
@@ -561,12 +568,13 @@ class AdmissionController:
         views = []
         for ticket in self._running.values():
             request = ticket.request
-            expected = self._expected_output(ticket)
+            progress = self._server_progress(ticket, now)
+            expected = max(self._expected_output(ticket), progress)
             started = ticket.first_token_s or (ticket.admitted_s + ticket.cost.prefill_s)
-            remaining = max(0, expected - ticket.output_tokens)
+            remaining = max(0, expected - progress)
             finish_in = max(0.0, started - now) + remaining * tpot
             views.append(RunningRequest(
-                blocks_now=self.cost_model.blocks(request.prompt_tokens + ticket.output_tokens,
+                blocks_now=self.cost_model.blocks(request.prompt_tokens + progress,
                                                   request.sequences),
                 blocks_final=self.cost_model.blocks(request.prompt_tokens + expected,
                                                     request.sequences),
@@ -577,15 +585,31 @@ class AdmissionController:
 
     def _schedule_now(self) -> ReleaseSchedule:
         if self._schedule is None:
+            running = list(self._running.values())
+            duration = (sum(t.cost.prefill_s + t.cost.decode_s for t in running) / len(running)
+                        if running else 0.0)
             self._schedule = ReleaseSchedule.build(self.running_requests(),
-                                                   self.ledger.capacity_blocks)
+                                                   self.ledger.capacity_blocks, duration)
         return self._schedule
 
+    def _server_progress(self, ticket: Ticket, now: float) -> int:
+        """Output tokens the server has generated for a request, at least those kvgate
+        has forwarded: a slow client reads behind the server, which keeps generating
+        (estimated from the time since the first token at the predicted TPOT)."""
+        started = ticket.first_token_s
+        if started is None or ticket.predicted_tpot_s <= 0:
+            return ticket.output_tokens
+        by_time = 1 + int((now - started) / ticket.predicted_tpot_s)
+        return min(ticket.cost.output_tokens, max(ticket.output_tokens, by_time))
+
     def _growth_blocks(self) -> int:
+        """Blocks the running requests still add before they finish (their reservation
+        less what the server already holds for them)."""
+        now = self.clock()
         growth = 0
         for ticket in self._running.values():
-            now_blocks = self.cost_model.blocks(
-                ticket.request.prompt_tokens + ticket.output_tokens, ticket.request.sequences)
+            tokens = ticket.request.prompt_tokens + self._server_progress(ticket, now)
+            now_blocks = self.cost_model.blocks(tokens, ticket.request.sequences)
             growth += max(0, ticket.reservation.blocks - now_blocks)
         return growth
 

@@ -35,17 +35,18 @@ class ReleaseSchedule:
     turnover_blocks_per_s: float
 
     @staticmethod
-    def build(running: Sequence[RunningRequest], capacity_blocks: int) -> ReleaseSchedule:
+    def build(
+        running: Sequence[RunningRequest], capacity_blocks: int, request_duration_s: float
+    ) -> ReleaseSchedule:
+        """`request_duration_s`: how long an admitted request typically holds its KV
+        (predicted prefill + decode): the cache turns over once per that time."""
         ordered = sorted((max(0.0, r.finish_in_s), r.blocks_reserved) for r in running)
         cumulative = []
         total = 0
         for _, blocks in ordered:
             total += blocks
             cumulative.append(total)
-        durations = [finish for finish, _ in ordered]
-        mean_duration = (sum(durations) / len(durations)) if durations else 0.0
-        # A request that just started runs ~2x the mean remaining time.
-        turnover = capacity_blocks / (2 * mean_duration) if mean_duration > 0 else 0.0
+        turnover = capacity_blocks / request_duration_s if request_duration_s > 0 else 0.0
         return ReleaseSchedule(tuple(f for f, _ in ordered), tuple(cumulative), turnover)
 
     def seconds_until(self, blocks: int) -> float:

@@ -44,7 +44,13 @@ from sidecar.model import (
 from sidecar.model.gpu import with_overrides
 from sidecar.model.served import KV_CACHE_DTYPES
 from sidecar.server.settings import ServeSettings
-from sidecar.upstream import ModelInfo, UpstreamClient, UpstreamView, UpstreamWatcher
+from sidecar.upstream import (
+    CacheConfig,
+    ModelInfo,
+    UpstreamClient,
+    UpstreamView,
+    UpstreamWatcher,
+)
 
 log = logging.getLogger("kvgate")
 
@@ -155,7 +161,7 @@ class Services:
     # ---- learning the server ---------------------------------------------------------
 
     def on_upstream(self, before: UpstreamView, after: UpstreamView) -> None:
-        if after.up and after.model is not None and after.metrics is not None:
+        if after.up and after.model is not None:
             learned = self._learned(after.model, after)
             if learned is not None and learned != self.learned:
                 self._rebuild(learned)
@@ -170,8 +176,9 @@ class Services:
             self.apply_calibration()
 
     def _learned(self, model: ModelInfo, view: UpstreamView) -> LearnedServer | None:
-        assert view.metrics is not None
-        cache = view.metrics.cache
+        """What the server says about itself; without its /metrics, the KV block count is
+        the model's estimate (from --gpu) and the block size the setting."""
+        cache = view.metrics.cache if view.metrics is not None else CacheConfig()
         max_len = model.max_model_len
         if max_len is None:
             self.model_problem = "the server's /v1/models reports no max_model_len"
@@ -204,6 +211,11 @@ class Services:
         return None
 
     def _rebuild(self, learned: LearnedServer) -> None:
+        if learned.num_blocks is None and self.gpu is None:
+            self.model_problem = ("the KV capacity is unknown: the server's /metrics has no "
+                                  "vllm:cache_config_info yet, and without --gpu it cannot be "
+                                  "estimated")
+            return
         arch = self._architecture(learned)
         if arch is None:
             log.error(self.model_problem)
@@ -348,7 +360,8 @@ class Services:
                              bool(view and view.up),
                              view.metrics_age_s(now) if view else math.inf, None)
         forecast = controller.forecast()
-        metrics = view.metrics if view else None
+        fresh = view is not None and view.metrics_age_s(now) <= self.settings.metrics_stale_s
+        metrics = view.metrics if view and fresh else None
         return StateView(
             queue_requests=len(controller.queue),
             inflight_requests=controller.inflight,
