@@ -35,7 +35,6 @@ MIN_EFFICIENCY = 0.001
 MAX_OVERHEAD_S = 2.0
 _CONTEXT_BUCKET = 128
 SAVE_EVERY = 50
-RESTART_KEEP = 0.1
 
 
 @dataclass(frozen=True)
@@ -166,11 +165,11 @@ class Calibrator:
                                  weight=min(5.0, prefill[1]))
 
     def server_restarted(self) -> None:
-        """The server came back, perhaps with other settings: let new evidence
-        dominate quickly (old observations keep a tenth of their weight)."""
+        """The server came back, perhaps with other settings: start the fits over from
+        what they had learned (see RobustLine.restart)."""
         for line in (self._decode, self._prefill):
             if line is not None:
-                line.forget(RESTART_KEEP)
+                line.restart()
 
     # ---- results --------------------------------------------------------------------
 

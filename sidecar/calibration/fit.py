@@ -3,9 +3,13 @@
 - decay: every observation first multiplies the accumulated weights by
   0.5 ** (1 / half_life), so the fit follows a server that changes;
 - bounded influence: an observation whose relative residual r = (y - line) / line
-  exceeds `huber_k` counts with weight k / |r| (Huber on relative error: times span
-  orders of magnitude), so one hiccup moves the fit little while a real change of a
-  factor two still counts half;
+  exceeds k in size counts with weight k / |r| (Huber on the relative residual: times
+  span orders of magnitude), so its pull on the fit is at most k x line however wild
+  it is; k is twice a running mean of |r| (at least 0.2): one hiccup in steady data
+  moves the fit little, while after a real change the residuals stay large, k grows
+  with them and the new regime counts fully within a few tens of observations; the
+  first `warmup` observations count fully, since the analytical prior can be off by
+  more than any threshold;
 - a prior: a ridge pull toward (prior_slope, prior_intercept) worth `prior_weight`
   observations, so the fit starts from the analytical model and moves only with
   evidence, and stays put where the data cannot tell (all x alike);
@@ -26,7 +30,8 @@ class RobustLine:
     intercept_bounds: tuple[float, float]
     prior_weight: float = 2.0
     half_life: float = 200.0
-    huber_k: float = 0.5
+    huber_floor: float = 0.2
+    warmup: int = 10
     # accumulated weighted sums
     sw: float = 0.0
     swx: float = 0.0
@@ -34,7 +39,9 @@ class RobustLine:
     swxx: float = 0.0
     swxy: float = 0.0
     x_ref: float = 0.0
+    spread: float = 0.2  # running mean of |y - line| / line
     observations: int = 0
+    since_reset: int = 0
 
     def estimate(self) -> tuple[float, float]:
         x_ref = self.x_ref or 1.0
@@ -66,9 +73,12 @@ class RobustLine:
             return False
         slope, intercept = self.estimate()
         predicted = max(slope * x + intercept, 1e-12)
-        relative = (y - predicted) / predicted
-        limit = self.huber_k
-        influence = 1.0 if abs(relative) <= limit else limit / abs(relative)
+        ratio = abs(y - predicted) / predicted
+        limit = max(self.huber_floor, 2.0 * self.spread)
+        influence = 1.0
+        if self.since_reset >= self.warmup and ratio > limit:
+            influence = limit / ratio
+        self.spread = 0.9 * self.spread + 0.1 * min(ratio, 3.0 * limit)
         decay = 0.5 ** (1.0 / self.half_life)
         w = weight * influence
         self.sw = self.sw * decay + w
@@ -78,9 +88,14 @@ class RobustLine:
         self.swxy = self.swxy * decay + w * x * y
         self.x_ref = x if self.observations == 0 else 0.9 * self.x_ref + 0.1 * x
         self.observations += 1
+        self.since_reset += 1
         return True
 
-    def forget(self, keep: float) -> None:
-        """Keep only this share of the evidence (the server changed under us)."""
+    def restart(self) -> None:
+        """The server changed under us: the current fit becomes the prior (what we knew)
+        and the evidence starts over, the next observations counting fully."""
+        self.prior_slope, self.prior_intercept = self.estimate()
         for name in ("sw", "swx", "swy", "swxx", "swxy"):
-            setattr(self, name, getattr(self, name) * keep)
+            setattr(self, name, 0.0)
+        self.since_reset = 0
+        self.spread = 0.2
