@@ -338,7 +338,7 @@ class AdmissionController:
             request.tenant,
         )
         running = len(self._running)
-        slowdown = self.prefill_load.slowdown(self.clock())
+        slowdown = self.prefill_load.slowdown(self.clock(), running)
         cost = self.cost_model.cost(
             request.prompt_tokens, output, request.sequences, running, self._mean_context(),
             slowdown,
@@ -564,7 +564,7 @@ class AdmissionController:
         now = self.clock()
         batch = max(1, len(self._running))
         tpot = self.cost_model.tpot_s(batch, self._mean_context()) * self.prefill_load.slowdown(
-            now)
+            now, batch - 1)
         views = []
         for ticket in self._running.values():
             request = ticket.request

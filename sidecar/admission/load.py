@@ -5,7 +5,11 @@ the running requests decode more slowly, and a new prompt may find the engine bu
 with others. If prefills take a share rho of the engine's time (seconds of
 predicted prefill admitted per second), decoding gets 1 - rho of it:
 
-    TPOT ~ decode step / (1 - rho)        TTFT ~ own prefill / (1 - rho)
+    TPOT ~ decode step / (1 - rho')        TTFT ~ own prefill / (1 - rho')
+
+where rho' counts only the prefills of the *other* requests: with n others running
+(all issuing prefills at the same rate), rho' = rho x n / (n + 1). A lone request's own
+prefill happens before its decode and stretches nothing.
 
 rho is estimated as an exponentially decaying sum of the admitted prefill seconds
 over a time constant (10 s), capped so that predictions stay finite.
@@ -38,6 +42,8 @@ class PrefillLoad:
         self._decay_to(now)
         return min(MAX_UTILISATION, self._sum / self.time_constant_s)
 
-    def slowdown(self, now: float) -> float:
-        """The factor 1 / (1 - rho) by which prefill work stretches other work."""
-        return 1.0 / (1.0 - self.utilisation(now))
+    def slowdown(self, now: float, others: int) -> float:
+        """The factor 1 / (1 - rho') by which the prefills of `others` concurrent
+        requests stretch one request's work."""
+        share = others / (others + 1) if others > 0 else 0.0
+        return 1.0 / (1.0 - self.utilisation(now) * share)

@@ -170,7 +170,8 @@ class Services:
         if self.calibrator is not None and self.served is not None:
             if after.restarts > before.restarts:
                 self.calibrator.server_restarted()
-            slowdown = (self.controller.prefill_load.slowdown(self.clock())
+            running = after.metrics.running if after.metrics and after.metrics.running else 1
+            slowdown = (self.controller.prefill_load.slowdown(self.clock(), running - 1)
                         if self.controller else 1.0)
             self.calibrator.observe_server(before, after, self.served, slowdown)
             self.apply_calibration()
@@ -320,15 +321,16 @@ class Services:
         calibrator, served = self.calibrator, self.served
         if calibrator is None or served is None:
             return
-        # Deflate by the prefill load of the time: the lines fit the engine's own speed.
-        slowdown = self.controller.prefill_load.slowdown(ended_at) if self.controller else 1.0
+        # Deflate by the others' prefill load: the lines fit the engine's own speed.
+        load = self.controller.prefill_load if self.controller else None
+        now_running = self.controller.inflight if self.controller else 0
+        others = max(0, (batch_at_start + now_running) // 2)
+        slowdown = load.slowdown(ended_at, others) if load else 1.0
         context = ticket.request.prompt_tokens + output_tokens // 2
         calibrator.observe_prefill(served, ticket.request.prompt_tokens, batch_at_start,
                                    context, (first_token_at - ticket.admitted_s) / slowdown)
         if tpot is not None:
-            now_running = self.controller.inflight if self.controller else 0
-            batch = max(1, (batch_at_start + 1 + now_running + 1) // 2)
-            calibrator.observe_decode(served, batch, context, tpot / slowdown)
+            calibrator.observe_decode(served, others + 1, context, tpot / slowdown)
         self.apply_calibration()
 
     def _observe_request_size(self, tokens: int) -> None:

