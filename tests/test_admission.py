@@ -230,6 +230,32 @@ def test_server_capacity_overrides_the_model_and_observed_use_is_pessimistic() -
     run(scenario())
 
 
+def test_retry_after_stays_computed_when_only_the_servers_own_use_blocks() -> None:
+    """Nothing kvgate admitted is running, yet the server's observed use (metrics that
+    lag, traffic that bypasses kvgate) leaves no room: the Retry-After comes from the
+    cache's turnover at the last known request duration, not the 600 s cap."""
+    ctl = controller(num_blocks=21, limits=QueueLimits(max_length=0))
+
+    async def scenario() -> None:
+        ctl.update_server(ServerState(num_blocks=21))
+        ticket = await admit(ctl, prompt_tokens=100, max_tokens=60)  # 10 blocks
+        ctl.update_server(ServerState(num_blocks=21, used_blocks=10))
+        ticket.first_token()  # type: ignore[attr-defined]
+        ticket.finish()  # type: ignore[attr-defined]
+        assert ctl.ledger.reserved_blocks == 0
+        ctl.update_server(ServerState(num_blocks=21, used_blocks=19))
+        with pytest.raises(Rejected) as full:
+            await admit(ctl, prompt_tokens=100, max_tokens=60)
+        decision = full.value.decision
+        assert decision.outcome is Outcome.QUEUE_FULL
+        duration = ticket.cost.prefill_s + ticket.cost.decode_s  # type: ignore[attr-defined]
+        # 10 blocks needed at 19 target blocks per `duration` seconds of turnover.
+        assert decision.retry_after_s == max(1.0, float(-(-10 * duration / 19 // 1)))
+        assert decision.retry_after_s < ctl.settings.retry_after_max_s
+
+    run(scenario())
+
+
 def test_priority_bands_go_first_and_starvation_is_bounded() -> None:
     clock = FakeClock()
     ctl = controller(num_blocks=41, clock=clock, starvation_bound_s=10.0)

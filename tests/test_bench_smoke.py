@@ -2,7 +2,7 @@
 
 `bench/overhead.py --smoke` (stub upstream, nginx, kvgate; about half a minute) and
 `bench/admission_quality.py --smoke` (a real vLLM CPU server, four policies; about
-two minutes). Their full versions produce bench/results/*.json and docs/benchmarks.md.
+two minutes). Their full versions produce bench/results/*.json, summarised in the README.
 """
 
 from __future__ import annotations

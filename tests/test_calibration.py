@@ -13,6 +13,8 @@ import pytest
 
 from sidecar.calibration import CalibrationStore, Calibrator, RobustLine
 from sidecar.model import Efficiency
+from sidecar.upstream import UpstreamView
+from sidecar.upstream.server_metrics import HistogramTotals, ServerMetrics
 
 from support.admission_fixtures import tiny_served
 
@@ -77,6 +79,54 @@ def test_follows_a_change_after_a_restart() -> None:
     calibrator.server_restarted()
     feed(calibrator, served, faster, 100, rng)
     assert max(errors(served, calibrator.efficiency(served), faster, random.Random(4))) < 0.15
+
+
+def test_learns_the_host_work_each_sequence_adds_to_a_step() -> None:
+    """On a CPU server a decode step grows with the batch through host work per
+    sequence (sampling, output processing, streaming), not through the roofline: the
+    fit finds that cost and predicts TPOT at batch sizes in between."""
+    served = tiny_served()
+    truth = replace(TRUTH, per_sequence_s=1.5e-3)
+    calibrator = Calibrator()
+    feed(calibrator, served, truth, 300, random.Random(5))
+    fitted = calibrator.efficiency(served)
+    assert fitted.per_sequence_s == pytest.approx(1.5e-3, rel=0.2)
+    for batch in (1, 4, 8):
+        want = served.with_efficiency(truth).tpot((300,) * batch).seconds
+        got = served.with_efficiency(fitted).tpot((300,) * batch).seconds
+        assert got == pytest.approx(want, rel=0.1), batch
+    # Without such a cost the term stays at (about) zero.
+    plain = Calibrator()
+    feed(plain, served, TRUTH, 300, random.Random(5))
+    assert plain.efficiency(served).per_sequence_s < 2e-4
+
+
+def _view(itl_sum: float, itl_count: float, running: int) -> UpstreamView:
+    histograms = {"itl": HistogramTotals(itl_sum, itl_count),
+                  "prompt_tokens": HistogramTotals(itl_count * 100, itl_count),
+                  "generation_tokens": HistogramTotals(itl_count * 50, itl_count)}
+    return UpstreamView(up=True, metrics=ServerMetrics(running=running, histograms=histograms))
+
+
+def test_server_histograms_count_only_without_the_sidecars_own_traffic() -> None:
+    served = tiny_served()
+    slow = 0.5  # s per token: far from anything the prior predicts
+    calibrator = Calibrator()
+    prior = calibrator.efficiency(served)
+    # The sidecar has requests in flight, or observed some since the last scrape: the
+    # server's histograms are left to the sidecar's own observations.
+    calibrator.observe_server(_view(0, 0, 2), _view(slow * 100, 100, 2), served,
+                              sidecar_traffic=True)
+    assert calibrator.efficiency(served) == prior
+    calibrator.observe_decode(served, 2, 150, served.tpot((150, 150)).seconds)
+    calibrator.observe_server(_view(0, 0, 2), _view(slow * 100, 100, 2), served)
+    assert calibrator.status(served)["decode_observations"] == 1
+    # Traffic that bypasses the sidecar: the histograms teach it.
+    for i in range(1, 40):
+        calibrator.observe_server(_view(slow * 100 * i, 100 * i, 2),
+                                  _view(slow * 100 * (i + 1), 100 * (i + 1), 2), served)
+    learned = served.with_efficiency(calibrator.efficiency(served)).tpot((150, 150)).seconds
+    assert learned == pytest.approx(slow, rel=0.2)
 
 
 def test_absurd_observations_never_produce_absurd_values() -> None:

@@ -7,7 +7,7 @@ the queue empty, no task or connection is left, and memory is back near its base
     KVGATE_SOAK_REQUESTS=3000 KVGATE_SOAK_REPORT=/tmp/soak.json pytest tests/test_soak.py -s
 
 The figures (requests, faults, RSS and fds before and after) are printed and, with
-KVGATE_SOAK_REPORT, written as JSON; docs/failure-behaviour.md quotes a run."""
+KVGATE_SOAK_REPORT, written as JSON; the README's "Failure behaviour" quotes a run."""
 
 from __future__ import annotations
 

@@ -217,6 +217,10 @@ class AdmissionController:
         self._context_tokens = 0  # prompt + output tokens of all running requests
         self.prefill_load = PrefillLoad()
         self._schedule: ReleaseSchedule | None = None
+        # How long an admitted request typically holds its KV (the last known mean):
+        # when nothing kvgate admitted is running but the server's observed use leaves
+        # no room, the cache still turns over at about that rate.
+        self._typical_duration_s = 0.0
         self._draining = False
         self._drain_deadline_s: float | None = None
 
@@ -501,6 +505,8 @@ class AdmissionController:
         ticket = Ticket(self, next(self._keys), request, cost, reservation, now, queue_wait_s,
                         predicted_ttft_s, shadow_outcome)
         self._running[ticket.key] = ticket
+        if not self._typical_duration_s:
+            self._typical_duration_s = ticket.cost.prefill_s + ticket.cost.decode_s
         self._context_tokens += request.prompt_tokens
         self.prefill_load.add(now, cost.prefill_work_s)
         self._schedule = None
@@ -586,10 +592,12 @@ class AdmissionController:
     def _schedule_now(self) -> ReleaseSchedule:
         if self._schedule is None:
             running = list(self._running.values())
-            duration = (sum(t.cost.prefill_s + t.cost.decode_s for t in running) / len(running)
-                        if running else 0.0)
+            if running:
+                self._typical_duration_s = sum(
+                    t.cost.prefill_s + t.cost.decode_s for t in running) / len(running)
             self._schedule = ReleaseSchedule.build(self.running_requests(),
-                                                   self.ledger.capacity_blocks, duration)
+                                                   self.ledger.capacity_blocks,
+                                                   self._typical_duration_s)
         return self._schedule
 
     def _server_progress(self, ticket: Ticket, now: float) -> int:

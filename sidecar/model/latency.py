@@ -21,12 +21,14 @@ prompt takes ~1.2-1.6 decode steps where max() would give ~1.
 
 A request's TTFT adds the engine's fixed cost per request (`per_request_s`: API
 server, tokenizer, scheduling, detokenizing and streaming the first token), each
-step the engine's host work (`per_step_s`), and each TP all-reduce the fixed cost of
-the engine's collective (`allreduce_latency_s`: TensorRT-LLM's all-reduce plugin,
-vLLM's custom all-reduce or NCCL). These are properties of the serving engine, not
-of the model or GPU: `ENGINE_OVERHEADS` holds them for vLLM (the default, what
-kvgate guards) and for TensorRT-LLM (whose public measurements calibrate the
-hardware terms).
+step the engine's host work (`per_step_s`, plus `per_sequence_s` for each sequence
+in the step: sampling, output processing, detokenizing and streaming its token - 0 by
+default, learned by calibration where it shows, as on CPU servers), and each TP
+all-reduce the fixed cost of the engine's collective (`allreduce_latency_s`:
+TensorRT-LLM's all-reduce plugin, vLLM's custom all-reduce or NCCL). These are
+properties of the serving engine, not of the model or GPU: `ENGINE_OVERHEADS` holds
+them for vLLM (the default, what kvgate guards) and for TensorRT-LLM (whose public
+measurements calibrate the hardware terms).
 
 The efficiency factors are not per-model or per-GPU constants: their defaults were
 fitted once to the public measurements in the project's test data (see
@@ -64,13 +66,15 @@ class Efficiency:
     allreduce_latency_s: float = 8e-6  # fixed cost of one TP all-reduce
     per_request_s: float = 0.0  # engine work per request before its first token
     serial_fraction: float = 0.0  # share of min(compute, memory) time not overlapped
+    per_sequence_s: float = 0.0  # host work per sequence in a step (outputs, streaming)
 
     def __post_init__(self) -> None:
         for name in ("compute", "bandwidth"):
             value = getattr(self, name)
             if not 0.0 < value <= 1.0:
                 raise ValueError(f"efficiency {name} must be in (0, 1], got {value}")
-        for name in ("per_layer_s", "per_step_s", "allreduce_latency_s", "per_request_s"):
+        for name in ("per_layer_s", "per_step_s", "allreduce_latency_s", "per_request_s",
+                     "per_sequence_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"efficiency {name} must not be negative")
         if not 0.0 <= self.serial_fraction <= 1.0:
@@ -111,6 +115,7 @@ _EFFICIENCY_FIELDS = (
     "allreduce_latency_s",
     "per_request_s",
     "serial_fraction",
+    "per_sequence_s",
 )
 
 
@@ -247,7 +252,8 @@ class Roofline:
             compute_s=compute_s,
             memory_s=memory_s,
             communication_s=self._allreduce_s(new_tokens),
-            overhead_s=eff.per_step_s + eff.per_layer_s * arch.num_layers,
+            overhead_s=eff.per_step_s + eff.per_layer_s * arch.num_layers
+            + eff.per_sequence_s * logit_rows,
             serial_fraction=eff.serial_fraction,
         )
 

@@ -173,7 +173,9 @@ class Services:
             running = after.metrics.running if after.metrics and after.metrics.running else 1
             slowdown = (self.controller.prefill_load.slowdown(self.clock(), running - 1)
                         if self.controller else 1.0)
-            self.calibrator.observe_server(before, after, self.served, slowdown)
+            own = self.controller is not None and self.controller.inflight > 0
+            self.calibrator.observe_server(before, after, self.served, slowdown,
+                                           sidecar_traffic=own)
             self.apply_calibration()
 
     def _learned(self, model: ModelInfo, view: UpstreamView) -> LearnedServer | None:
