@@ -28,13 +28,14 @@ from support.sidecar import Sidecar, metric_value  # noqa: E402
 from support.vllm_server import VllmServer  # noqa: E402
 
 MODEL = "tiny-llama"
-PROMPT = "The quick brown fox jumps over the lazy dog. " * 9
+SENTENCE = "The quick brown fox jumps over the lazy dog. "  # 10 tokens
 
 
-async def timed_burst(url: str, count: int, max_tokens: int) -> list[dict[str, Any]]:
+async def timed_burst(url: str, count: int, max_tokens: int,
+                      prompt: str) -> list[dict[str, Any]]:
     async def one(session: aiohttp.ClientSession) -> dict[str, Any]:
         started = time.monotonic()
-        result = await stream_completion(session, url, max_tokens, PROMPT, MODEL)
+        result = await stream_completion(session, url, max_tokens, prompt, MODEL)
         result["seconds"] = time.monotonic() - started
         return result
 
@@ -46,9 +47,11 @@ def summary(label: str, results: list[dict[str, Any]], preemptions: float) -> li
     served = [r for r in results if r["status"] == 200]
     rejected = [r for r in results if r["status"] != 200]
     with_retry = sum(1 for r in rejected if r.get("retry_after"))
-    p50 = statistics.median(r["seconds"] for r in served) if served else float("nan")
+    seconds = [r["seconds"] for r in served]
+    p50 = statistics.median(seconds) if served else float("nan")
+    last = max(seconds) if served else float("nan")
     return [label, str(len(served)), f"{len(rejected)} ({with_retry} with Retry-After)",
-            f"{preemptions:g}", f"{p50:.1f} s"]
+            f"{preemptions:g}", f"{p50:.1f} s", f"{last:.1f} s"]
 
 
 def table(rows: list[list[str]]) -> str:
@@ -63,7 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=16, help="size of the burst")
     parser.add_argument("--max-tokens", type=int, default=400, help="output tokens each")
+    parser.add_argument("--prompt-tokens", type=int, default=100,
+                        help="about this many prompt tokens each (a multiple of 10)")
     args = parser.parse_args(argv)
+    prompt = SENTENCE * max(1, args.prompt_tokens // 10)
     print("Starting a real vLLM (CPU build) with tiny-llama and a 2,048-token KV cache ...")
     server = VllmServer(vllm_python(), str(model_dir(MODEL)), MODEL, free_port(), 1024,
                         block_size=32, num_gpu_blocks_override=64).start()
@@ -74,22 +80,24 @@ def main(argv: list[str] | None = None) -> int:
         print("Starting kvgate in front of it:\n  kvgate " + " ".join(sidecar.args[4:]))
         sidecar.start()
         try:
-            burst_tokens = args.requests * (100 + args.max_tokens)
-            print(f"\nThe burst: {args.requests} streamed requests of ~100 prompt + "
+            burst_tokens = args.requests * (args.prompt_tokens + args.max_tokens)
+            print(f"\nThe burst: {args.requests} streamed requests of ~{args.prompt_tokens} "
+                  f"prompt + "
                   f"{args.max_tokens} output tokens ({burst_tokens:,} tokens of KV, "
                   f"{burst_tokens / kv.tokens:.1f}x the cache), sent at once.")
             before = metric_value(server.metrics_text(), "vllm:num_preemptions_total")
             print("\n1. Straight to vLLM ...")
-            direct = asyncio.run(timed_burst(server.url, args.requests, args.max_tokens))
+            direct = asyncio.run(timed_burst(server.url, args.requests, args.max_tokens, prompt))
             mid = metric_value(server.metrics_text(), "vllm:num_preemptions_total")
             print("2. Through kvgate ...")
-            gated = asyncio.run(timed_burst(sidecar.url, args.requests, args.max_tokens))
+            gated = asyncio.run(timed_burst(sidecar.url, args.requests, args.max_tokens, prompt))
             after = metric_value(server.metrics_text(), "vllm:num_preemptions_total")
             state = sidecar.wait_idle()
             metrics = sidecar.metrics_text()
             print()
             print(table([
-                ["path", "served", "rejected", "vLLM preemptions", "p50 time per request"],
+                ["path", "served", "rejected", "vLLM preemptions", "p50 time per request",
+                 "last one done"],
                 summary("vLLM alone", direct, mid - before),
                 summary("through kvgate", gated, after - mid),
             ]))

@@ -256,6 +256,32 @@ def test_retry_after_stays_computed_when_only_the_servers_own_use_blocks() -> No
     run(scenario())
 
 
+def test_an_unknown_wait_queues_until_the_next_scrape_instead_of_rejecting() -> None:
+    """Nothing kvgate admitted has run yet, and the server's last scrape shows its cache
+    full (requests that went to it directly, finishing as the scrape was taken): the
+    wait cannot be predicted, so the request waits for the next scrape rather than
+    being refused as if it could never be served."""
+    ctl = controller(num_blocks=21)
+
+    async def scenario() -> None:
+        ctl.update_server(ServerState(num_blocks=21, used_blocks=19))
+        task = asyncio.create_task(admit(ctl, prompt_tokens=100, max_tokens=60,
+                                         ttft_slo_s=5.0))
+        await asyncio.sleep(0)
+        assert not task.done()
+        assert len(ctl.queue) == 1
+        ctl.update_server(ServerState(num_blocks=21, used_blocks=0))
+        for _ in range(5):
+            await asyncio.sleep(0)
+        assert task.done()
+        ticket = task.result()
+        assert ticket.cost.kv_blocks == 10
+        ticket.finish()
+        assert ctl.ledger.reserved_blocks == 0 and len(ctl.queue) == 0
+
+    run(scenario())
+
+
 def test_priority_bands_go_first_and_starvation_is_bounded() -> None:
     clock = FakeClock()
     ctl = controller(num_blocks=41, clock=clock, starvation_bound_s=10.0)

@@ -308,6 +308,11 @@ class AdmissionController:
             return cost, None
         needed = self.queue.blocks_ahead_of(band) + cost.kv_blocks - self.ledger.headroom_blocks
         wait_s = self._schedule_now().seconds_until(needed)
+        # An infinite wait is an unknown one: nothing kvgate admitted is running to free
+        # blocks, the room is taken by use the server reports (traffic that bypasses
+        # kvgate, or a scrape from just before it finished). Such a request waits in the
+        # queue for the next scrape; only its actual wait can time it out.
+        known = math.isfinite(wait_s)
         predicted_ttft = wait_s + cost.prefill_s
         details = self._details(cost, predicted_ttft_s=predicted_ttft, queue_ahead=ahead)
         if not self.settings.limits.has_room(len(self.queue)):
@@ -318,7 +323,7 @@ class AdmissionController:
                 self._retry_after(wait_s),
                 details,
             )
-        if request.ttft_slo_s is not None and predicted_ttft > request.ttft_slo_s:
+        if known and request.ttft_slo_s is not None and predicted_ttft > request.ttft_slo_s:
             return cost, Decision(
                 Outcome.DEADLINE,
                 f"predicted time to first token {predicted_ttft:.2f} s exceeds the requested "
@@ -326,7 +331,7 @@ class AdmissionController:
                 self._retry_after(max(0.0, predicted_ttft - request.ttft_slo_s)),
                 details,
             )
-        if wait_s > self.settings.limits.max_wait_s:
+        if known and wait_s > self.settings.limits.max_wait_s:
             return cost, Decision(
                 Outcome.QUEUE_TIMEOUT,
                 f"predicted wait {wait_s:.1f} s exceeds the queue's maximum wait of "
