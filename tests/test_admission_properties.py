@@ -55,10 +55,13 @@ class AdmissionMachine(RuleBasedStateMachine):
             if entry is not None:
                 starved = [e for e in self.ctl.queue.entries() if now_s - e.arrival_s > BOUND_S]
                 if starved:
-                    oldest = min(starved, key=lambda e: e.arrival_s)
-                    if entry.band != oldest.band:
+                    # The longest-starved band goes first; bands starved equally long
+                    # (requests that arrived at the same instant) may go in either order.
+                    oldest_s = min(e.arrival_s for e in starved)
+                    longest = {e.band for e in starved if e.arrival_s == oldest_s}
+                    if entry.band not in longest:
                         self.starvation_violations.append(
-                            f"band {oldest.band} waited {now_s - oldest.arrival_s:.1f}s but "
+                            f"bands {sorted(longest)} waited {now_s - oldest_s:.1f}s but "
                             f"band {entry.band} went first")
             return original_pop(now_s)
 
