@@ -421,9 +421,6 @@ def _cell(mode: str, concurrency: int, per_target: dict[str, list[dict[str, Any]
     keys = ["p50_ms", "p99_ms"] + (["ttft_p50_ms", "ttft_p99_ms"] if stream else [])
     for proxy in ("nginx", "kvgate"):
         cell["added_ms"][proxy] = {k: added(targets[proxy], direct, k) for k in keys}
-    for k in keys:
-        cell["ratio_kvgate_to_nginx"][k] = ratio(cell["added_ms"]["kvgate"][k],
-                                                 cell["added_ms"]["nginx"][k])
     # How far the direct path's own percentile moved between repetitions: added
     # latencies smaller than this are below what this setup resolves.
     cell["direct_spread_ms"] = {k: _spread(per_target["direct"], k) for k in keys}
@@ -431,6 +428,11 @@ def _cell(mode: str, concurrency: int, per_target: dict[str, list[dict[str, Any]
         k: (cell["added_ms"]["nginx"][k] is not None and cell["direct_spread_ms"][k] is not None
             and abs(cell["added_ms"]["nginx"][k]) <= cell["direct_spread_ms"][k])
         for k in keys}
+    # A ratio over an addition this setup cannot resolve would be noise (or infinite).
+    for k in keys:
+        cell["ratio_kvgate_to_nginx"][k] = (
+            None if cell["nginx_added_within_noise"][k]
+            else ratio(cell["added_ms"]["kvgate"][k], cell["added_ms"]["nginx"][k]))
     return cell
 
 
@@ -513,7 +515,7 @@ def print_report(report: dict[str, Any]) -> None:
                         "kvgate CPU s/1000 req", "nginx CPU s/1000 req"], rows))
     print("\nstreaming rows: time to the first streamed token. spread: largest minus smallest "
           "direct p50 over the repetitions (what this setup resolves); ratio only where "
-          "nginx's added latency is above 0.\n")
+          "nginx's added latency is above 0 and above that spread.\n")
     rows = [[c["mode"], c["concurrency"], c["throughput_rps"]["direct"],
              c["throughput_rps"]["nginx"], c["throughput_rps"]["kvgate"],
              c["kvgate_cpu_s_per_1000"], c["nginx_cpu_s_per_1000"]]

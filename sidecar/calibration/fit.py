@@ -28,23 +28,26 @@ from dataclasses import dataclass, field
 _TERMS = 3  # slope (x), intercept (1), per_z (z)
 
 
-def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
-    """Gaussian elimination with partial pivoting; None when singular."""
-    n = len(rhs)
-    a = [[*row, rhs[i]] for i, row in enumerate(matrix)]
-    for col in range(n):
-        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
-        if abs(a[pivot][col]) < 1e-300 or not math.isfinite(a[pivot][col]):
+def _solve(m: list[list[float]], r: list[float]) -> list[float] | None:
+    """Solve a 1x1, 2x2 or 3x3 linear system by Cramer's rule; None when singular."""
+    n = len(r)
+    if n == 1:
+        return [r[0] / m[0][0]] if m[0][0] != 0 else None
+    if n == 2:
+        det = m[0][0] * m[1][1] - m[0][1] * m[1][0]
+        if det == 0 or not math.isfinite(det):
             return None
-        a[col], a[pivot] = a[pivot], a[col]
-        for r in range(col + 1, n):
-            factor = a[r][col] / a[col][col]
-            for c in range(col, n + 1):
-                a[r][c] -= factor * a[col][c]
-    out = [0.0] * n
-    for r in range(n - 1, -1, -1):
-        out[r] = (a[r][n] - sum(a[r][c] * out[c] for c in range(r + 1, n))) / a[r][r]
-    return out
+        return [(r[0] * m[1][1] - m[0][1] * r[1]) / det,
+                (m[0][0] * r[1] - r[0] * m[1][0]) / det]
+    (a, b, c), (d, e, f), (g, h, i) = m
+    co_a, co_b, co_c = e * i - f * h, f * g - d * i, d * h - e * g
+    det = a * co_a + b * co_b + c * co_c
+    if det == 0 or not math.isfinite(det):
+        return None
+    x = r[0] * co_a + b * (r[2] * f - r[1] * i) + c * (r[1] * h - r[2] * e)
+    y = a * (r[1] * i - f * r[2]) + r[0] * co_b + c * (d * r[2] - r[1] * g)
+    z = a * (e * r[2] - r[1] * h) + b * (r[1] * g - d * r[2]) + r[0] * co_c
+    return [x / det, y / det, z / det]
 
 
 @dataclass
@@ -68,9 +71,16 @@ class RobustLine:
     spread: float = 0.2  # running mean of |y - fit| / fit
     observations: int = 0
     since_reset: int = 0
+    _solved: tuple[float, float, float] | None = field(default=None, init=False, repr=False,
+                                                       compare=False)
 
     def coefficients(self) -> tuple[float, float, float]:
         """(slope, intercept, per_z), clamped to their bounds."""
+        if self._solved is None:
+            self._solved = self._fit()
+        return self._solved
+
+    def _fit(self) -> tuple[float, float, float]:
         priors = [self.prior_slope, self.prior_intercept, self.prior_per_z]
         bounds = [self.slope_bounds, self.intercept_bounds, self.per_z_bounds]
         # The ridge weight of each term, in units of one observation at its scale.
@@ -122,6 +132,7 @@ class RobustLine:
         self.spread = 0.9 * self.spread + 0.1 * min(ratio, 3.0 * limit)
         decay = 0.5 ** (1.0 / self.half_life)
         w = weight * influence
+        self._solved = None
         f = (x, 1.0, z)
         for i in range(_TERMS):
             self.sfy[i] = self.sfy[i] * decay + w * f[i] * y
@@ -139,6 +150,7 @@ class RobustLine:
         """The server changed under us: the current fit becomes the prior (what we knew)
         and the evidence starts over, the next observations counting fully."""
         self.prior_slope, self.prior_intercept, self.prior_per_z = self.coefficients()
+        self._solved = None
         self.sff = [[0.0] * _TERMS for _ in range(_TERMS)]
         self.sfy = [0.0] * _TERMS
         self.since_reset = 0
