@@ -13,9 +13,6 @@ choosing the next request to dispatch. Garbage collection stays on, as in servic
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -37,19 +34,18 @@ from sidecar.admission import (  # noqa: E402
 from sidecar.admission.queue import Entry  # noqa: E402
 from sidecar.model import Deployment, ServedModel, find_gpu, read_architecture  # noqa: E402
 
+from bench.common import percentile, provenance, rounded, write_json  # noqa: E402
+
 QUEUED = 10_000
 TENANTS = 50
 
 
-def percentile(values: list[int], share: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(share * len(ordered)))] / 1000.0
-
-
-def stats(values: list[int]) -> dict[str, float]:
-    return {"p50_us": percentile(values, 0.5), "p99_us": percentile(values, 0.99),
-            "max_us": max(values) / 1000.0, "mean_us": statistics.fmean(values) / 1000.0,
-            "samples": len(values)}
+def stats(values_ns: list[int]) -> dict[str, float | None]:
+    values_us = [v / 1000.0 for v in values_ns]
+    return {"p50_us": rounded(percentile(values_us, 50)),
+            "p99_us": rounded(percentile(values_us, 99)),
+            "max_us": max(values_us), "mean_us": rounded(statistics.fmean(values_us)),
+            "samples": len(values_us)}
 
 
 def run(samples: int, seed: int) -> dict[str, Any]:
@@ -113,8 +109,8 @@ def run(samples: int, seed: int) -> dict[str, Any]:
         "decision": stats(decide),
         "enqueue": stats(enqueue),
         "choose_next": stats(choose),
-        "decision_plus_enqueue_p99_us": percentile(
-            [a + b for a, b in zip(decide, enqueue, strict=True)], 0.99),
+        "decision_plus_enqueue_p99_us": rounded(percentile(
+            [(a + b) / 1000.0 for a, b in zip(decide, enqueue, strict=True)], 99)),
     }
 
 
@@ -126,14 +122,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     result = run(1000 if args.smoke else args.samples, args.seed)
-    result.update({
-        "command": "python bench/admission_decision.py " + " ".join(argv or sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
-                   f"{platform.python_version()}",
-    })
+    result.update(provenance("bench/admission_decision.py"))
     if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.out, result)
     for name in ("decision", "enqueue", "choose_next"):
         s = result[name]
         print(f"{name:12s} p50 {s['p50_us']:7.1f} us   p99 {s['p99_us']:7.1f} us   "

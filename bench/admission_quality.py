@@ -74,16 +74,14 @@ from bench.common import (  # noqa: E402
     BenchError,
     Process,
     QuietBudget,
-    command_line,
+    benchmark_main,
     cpu_seconds,
     descendants,
     free_port,
     http_get,
     jain_index,
-    kvgate_revision,
-    machine_info,
-    now_utc,
     percentile,
+    provenance,
     render_table,
     rounded,
     system_cpu_seconds,
@@ -866,10 +864,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     spec = spec_from(args)
     report: dict[str, Any] = {
         "benchmark": "admission_quality",
-        "command": command_line("bench/admission_quality.py"),
-        "date": now_utc(),
-        "machine": machine_info(),
-        "kvgate_revision": kvgate_revision(),
+        **provenance("bench/admission_quality.py"),
     }
     policies = [p for p in (*POLICIES, *VARIANTS) if p in args.policies.split(",")]
     with temporary_directory("kvgate-admission-", keep=args.keep_logs) as tmp:
@@ -1081,20 +1076,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] == "--report":
-        # Print the tables of a result file again (e.g. for docs/benchmarks.md).
-        print_report(json.loads(Path(sys.argv[2]).read_text()))
-        return 0
-    args = parse_args()
-    try:
-        report = benchmark(args)
-    except BenchError as exc:
-        sys.stderr.write(f"bench/admission_quality.py: error: {exc}\n")
-        return 1
-    write_json(Path(args.out), report)
-    print_report(report)
-    print(f"\nwrote {args.out}")
-    return 0
+    return benchmark_main("bench/admission_quality.py", parse_args, benchmark, print_report)
 
 
 if __name__ == "__main__":

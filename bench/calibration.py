@@ -22,8 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import platform
 import random
 import statistics
 import sys
@@ -35,8 +33,11 @@ from typing import Any
 import aiohttp
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+for extra in (ROOT, ROOT / "tests"):
+    if str(extra) not in sys.path:
+        sys.path.insert(0, str(extra))
 
+from bench.common import provenance, write_json  # noqa: E402
 from support.env import free_port, model_dir, vllm_python  # noqa: E402
 from support.sidecar import Sidecar  # noqa: E402
 from support.vllm_server import VllmServer  # noqa: E402
@@ -212,29 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     started = time.time()
+    record = provenance("bench/calibration.py")
     result = asyncio.run(scenario(args.smoke, args.seed))
-    result.update({
-        "command": "python bench/calibration.py " + " ".join(argv or sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d", time.gmtime(started)),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, "
-                   f"{_cpu_model()}",
-        "seconds": round(time.time() - started, 1),
-    })
-    text = json.dumps(result, indent=2)
+    result.update(record)
+    result["seconds"] = round(time.time() - started, 1)
     if args.out:
-        args.out.write_text(text + "\n")
+        write_json(args.out, result)
     print(_table(result))
     return 0
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def _table(result: dict[str, Any]) -> str:

@@ -21,7 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -326,6 +326,32 @@ def now_utc() -> str:
 def command_line(script: str) -> str:
     """The command that reproduces this run, as typed from the repository root."""
     return shlex.join(["python", script, *sys.argv[1:]])
+
+
+def provenance(script: str) -> dict[str, Any]:
+    """What every result file records: the command, when, on what, which kvgate."""
+    return {"command": command_line(script), "date": now_utc(), "machine": machine_info(),
+            "kvgate_revision": kvgate_revision()}
+
+
+def benchmark_main(script: str, parse_args: Callable[[], Any],
+                   benchmark: Callable[[Any], dict[str, Any]],
+                   print_report: Callable[[dict[str, Any]], None]) -> int:
+    """A benchmark's command: run it, write its JSON to `args.out`, print its tables;
+    or, as `SCRIPT --report FILE`, print the tables of a result file again."""
+    if len(sys.argv) == 3 and sys.argv[1] == "--report":
+        print_report(json.loads(Path(sys.argv[2]).read_text()))
+        return 0
+    args = parse_args()
+    try:
+        report = benchmark(args)
+    except BenchError as exc:
+        sys.stderr.write(f"{script}: error: {exc}\n")
+        return 1
+    write_json(Path(args.out), report)
+    print_report(report)
+    print(f"\nwrote {args.out}")
+    return 0
 
 
 def write_json(path: Path, data: Mapping[str, Any]) -> None:

@@ -54,21 +54,18 @@ from bench.common import (  # noqa: E402
     BenchError,
     Process,
     QuietBudget,
-    command_line,
+    benchmark_main,
     cpu_seconds,
     descendants,
     free_port,
-    kvgate_revision,
-    machine_info,
-    now_utc,
     percentile,
+    provenance,
     render_table,
     rounded,
     system_cpu_seconds,
     temporary_directory,
     tree_cpu_seconds,
     wait_http,
-    write_json,
 )
 
 TARGETS = ("direct", "nginx", "kvgate")
@@ -305,10 +302,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     started_at = time.monotonic()
     report: dict[str, Any] = {
         "benchmark": "overhead",
-        "command": command_line("bench/overhead.py"),
-        "date": now_utc(),
-        "machine": machine_info(),
-        "kvgate_revision": kvgate_revision(),
+        **provenance("bench/overhead.py"),
     }
     runs: list[dict[str, Any]] = []
     discarded: list[dict[str, Any]] = []
@@ -582,20 +576,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main() -> int:
-    if len(sys.argv) == 3 and sys.argv[1] == "--report":
-        # Print the tables of a result file again (e.g. for docs/benchmarks.md).
-        print_report(json.loads(Path(sys.argv[2]).read_text()))
-        return 0
-    args = parse_args()
-    try:
-        report = benchmark(args)
-    except BenchError as exc:
-        sys.stderr.write(f"bench/overhead.py: error: {exc}\n")
-        return 1
-    write_json(Path(args.out), report)
-    print_report(report)
-    print(f"\nwrote {args.out}")
-    return 0
+    return benchmark_main("bench/overhead.py", parse_args, benchmark, print_report)
 
 
 if __name__ == "__main__":

@@ -10,14 +10,17 @@ reports the median and worst wall time.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.common import provenance, write_json  # noqa: E402
 
 CASES = {
     "dense, GPU": ["--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--arrival-rate", "4"],
@@ -43,15 +46,8 @@ def main(argv: list[str] | None = None) -> int:
                          "runs": args.runs}
         print(f"{name:28s} median {results[name]['median_s'] * 1000:6.0f} ms   "
               f"max {results[name]['max_s'] * 1000:6.0f} ms   ({args.runs} runs)")
-    document = {
-        "results": results,
-        "command": "python bench/plan_latency.py " + " ".join(argv or sys.argv[1:]),
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python "
-                   f"{platform.python_version()}",
-    }
     if args.out:
-        args.out.write_text(json.dumps(document, indent=2) + "\n")
+        write_json(args.out, {"results": results, **provenance("bench/plan_latency.py")})
     return 0
 
 

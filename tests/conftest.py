@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,6 +18,7 @@ for extra in (ROOT, ROOT / "tests"):
 import pytest  # noqa: E402
 
 from support.env import free_port, model_dir, vllm_python  # noqa: E402
+from support.fault_proxy import FaultProxy  # noqa: E402
 from support.vllm_server import VllmServer  # noqa: E402
 
 SMALL_KV = {"max_model_len": 1024, "block_size": 32, "num_gpu_blocks_override": 64}
@@ -46,3 +48,11 @@ def big_kv_vllm() -> object:
     server.start()
     yield server
     server.stop()
+
+
+@pytest.fixture
+def proxy(small_kv_vllm: VllmServer) -> Iterator[FaultProxy]:
+    """A fault proxy in front of the shared small-KV server, passing everything until a
+    test tells it otherwise."""
+    with FaultProxy(small_kv_vllm.url) as running:
+        yield running

@@ -27,7 +27,7 @@ from support.fault_proxy import (
     tcp_queues,
     until,
 )
-from support.sidecar import Sidecar, metric_value
+from support.sidecar import Sidecar, released, running_on
 from support.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm]
@@ -42,22 +42,6 @@ def completion(max_tokens: int, *, stream: bool = True, **extra: Any) -> dict[st
             "stream": stream, "ignore_eos": True, "temperature": 0, **extra}
 
 
-
-
-def released(sidecar: Sidecar) -> bool:
-    admission = sidecar.state()["admission"]
-    return (admission["ledger"]["reserved_blocks"] == 0 and admission["inflight"] == 0
-            and admission["queue"]["length"] == 0)
-
-
-def running_on(server: VllmServer) -> float:
-    return metric_value(server.metrics_text(), "vllm:num_requests_running")
-
-
-@pytest.fixture
-def proxy(small_kv_vllm: VllmServer) -> Iterator[FaultProxy]:
-    with FaultProxy(small_kv_vllm.url) as running:
-        yield running
 
 
 @pytest.fixture

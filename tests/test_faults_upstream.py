@@ -18,7 +18,7 @@ import pytest
 
 from support.env import free_port, model_dir, vllm_python
 from support.fault_proxy import Fault, FaultProxy, post_stream, until
-from support.sidecar import Sidecar, metric_value
+from support.sidecar import Sidecar, running_on
 from support.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm]
@@ -42,16 +42,6 @@ def settled(sidecar: Sidecar) -> dict[str, Any]:
     ledger = state["admission"]["ledger"]
     assert ledger["reserved_blocks"] == 0 and ledger["reservations"] == 0, ledger
     return state
-
-
-def running_on(server: VllmServer) -> float:
-    return metric_value(server.metrics_text(), "vllm:num_requests_running")
-
-
-@pytest.fixture
-def proxy(small_kv_vllm: VllmServer) -> Iterator[FaultProxy]:
-    with FaultProxy(small_kv_vllm.url) as running:
-        yield running
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from support.fault_proxy import (
     status_line,
     until,
 )
-from support.sidecar import Sidecar
+from support.sidecar import Sidecar, released
 from support.vllm_server import VllmServer
 
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 9  # ~100 tokens
@@ -47,18 +47,6 @@ def series(metrics_text: str) -> set[str]:
     """The sample series of an exposition (names with labels), without values."""
     return {line.rpartition(" ")[0] for line in metrics_text.splitlines()
             if line and not line.startswith("#")}
-
-
-def released(sidecar: Sidecar) -> bool:
-    admission = sidecar.state()["admission"]
-    return (admission["ledger"]["reserved_blocks"] == 0 and admission["inflight"] == 0
-            and admission["queue"]["length"] == 0)
-
-
-@pytest.fixture
-def proxy(small_kv_vllm: VllmServer) -> Iterator[FaultProxy]:
-    with FaultProxy(small_kv_vllm.url) as running:
-        yield running
 
 
 @pytest.fixture

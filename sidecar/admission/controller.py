@@ -217,10 +217,10 @@ class AdmissionController:
         self._context_tokens = 0  # prompt + output tokens of all running requests
         self.prefill_load = PrefillLoad()
         self._schedule: ReleaseSchedule | None = None
-        # How long an admitted request typically holds its KV (the last known mean):
-        # when nothing kvgate admitted is running but the server's observed use leaves
-        # no room, the cache still turns over at about that rate.
-        self._typical_duration_s = 0.0
+        # How long the last admitted request was predicted to hold its KV: when nothing
+        # kvgate admitted is running but the server's observed use leaves no room, the
+        # cache still turns over at about that rate.
+        self._last_duration_s = 0.0
         self._draining = False
         self._drain_deadline_s: float | None = None
 
@@ -510,8 +510,7 @@ class AdmissionController:
         ticket = Ticket(self, next(self._keys), request, cost, reservation, now, queue_wait_s,
                         predicted_ttft_s, shadow_outcome)
         self._running[ticket.key] = ticket
-        if not self._typical_duration_s:
-            self._typical_duration_s = ticket.cost.prefill_s + ticket.cost.decode_s
+        self._last_duration_s = cost.prefill_s + cost.decode_s
         self._context_tokens += request.prompt_tokens
         self.prefill_load.add(now, cost.prefill_work_s)
         self._schedule = None
@@ -597,12 +596,10 @@ class AdmissionController:
     def _schedule_now(self) -> ReleaseSchedule:
         if self._schedule is None:
             running = list(self._running.values())
-            if running:
-                self._typical_duration_s = sum(
-                    t.cost.prefill_s + t.cost.decode_s for t in running) / len(running)
+            duration = (sum(t.cost.prefill_s + t.cost.decode_s for t in running) / len(running)
+                        if running else self._last_duration_s)
             self._schedule = ReleaseSchedule.build(self.running_requests(),
-                                                   self.ledger.capacity_blocks,
-                                                   self._typical_duration_s)
+                                                   self.ledger.capacity_blocks, duration)
         return self._schedule
 
     def _server_progress(self, ticket: Ticket, now: float) -> int:

@@ -134,3 +134,15 @@ def metric_value(text: str, name: str, labels: str = "") -> float:
 
 def args(*pairs: Sequence[str]) -> list[str]:
     return [item for pair in pairs for item in pair]
+
+
+def released(sidecar: Sidecar) -> bool:
+    """Nothing reserved, admitted or queued in kvgate."""
+    admission = sidecar.state()["admission"]
+    return (admission["ledger"]["reserved_blocks"] == 0 and admission["inflight"] == 0
+            and admission["queue"]["length"] == 0)
+
+
+def running_on(server: Any) -> float:
+    """vLLM's own count of running requests (a `VllmServer`)."""
+    return metric_value(server.metrics_text(), "vllm:num_requests_running")
