@@ -28,7 +28,9 @@ ALLOWED = {
 }
 # Third-party or standard modules a part must not use.
 FORBIDDEN = {
-    "model": {"asyncio", "aiohttp", "prometheus_client", "pydantic", "torch", "vllm"},
+    # No network: Hub lookups live in sidecar/cli/model_source.py.
+    "model": {"asyncio", "aiohttp", "prometheus_client", "pydantic", "torch", "vllm",
+              "huggingface_hub", "urllib.request", "http.client", "socket", "requests"},
     "admission": {"aiohttp", "prometheus_client", "torch", "vllm"},
     "upstream": {"prometheus_client.registry", "torch", "vllm"},
     "calibration": {"aiohttp", "prometheus_client", "torch", "vllm"},

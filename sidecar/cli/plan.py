@@ -8,11 +8,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from sidecar.cli.args import Parser, fraction, positive_float, positive_int
+from sidecar.cli.model_source import read_model
 from sidecar.cli.table import render
 from sidecar.model import (
     ChainCall,
@@ -24,7 +26,6 @@ from sidecar.model import (
     custom_gpu,
     find_gpu,
     gpu_names,
-    read_architecture,
 )
 from sidecar.model.gpu import with_overrides
 from sidecar.model.planning import DEFAULT_KV_MARGIN
@@ -43,6 +44,7 @@ and the recommended --max-num-seqs and replica count (Little's law).
 EPILOG = """\
 examples:
   kvgate plan --model Qwen/Qwen3-8B --gpu H100
+  kvgate plan --model meta-llama/Llama-3.1-70B-Instruct --gpu H100 --tp 4
   kvgate plan --model ./my-model/ --gpu L40S --tp 2 --kv-cache-dtype fp8 --json
   kvgate plan --model meta-llama/Meta-Llama-3.1-8B --available-kv-gib 3.81 \\
       --max-model-len 20000 --json        # capacity from the budget vLLM logged
@@ -62,8 +64,10 @@ def build_parser(prog: str = "kvgate plan") -> Parser:
     )
     model = parser.add_argument_group("model")
     model.add_argument("--model", required=True, metavar="M",
-                       help="a config.json, a directory holding one, or a preset name "
-                            "(e.g. Qwen/Qwen3-8B; `kvgate presets` lists them)")
+                       help="a config.json, a directory holding one, a Hugging Face id "
+                            "(read from the local Hugging Face cache, a bundled preset or "
+                            "the Hub, e.g. meta-llama/Llama-3.1-70B-Instruct) or a preset "
+                            "name (`kvgate presets` lists them)")
     model.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
                        help="weight precision: auto reads torch_dtype and quantization_config "
                             "(default: auto)")
@@ -183,8 +187,12 @@ def load_efficiency(path: Path | None) -> Efficiency | None:
         raise ModelError(f"--calibration {path}: {exc}") from exc
 
 
+def _note(line: str) -> None:
+    print(f"kvgate plan: note: {line}", file=sys.stderr)
+
+
 def plan_input(args: argparse.Namespace) -> PlanInput:
-    arch = read_architecture(args.model)
+    arch = read_model(args.model, _note)
     gpu = _gpu_from_args(args)
     deployment = Deployment(
         tp=args.tp,

@@ -1,7 +1,8 @@
 """Read a Hugging Face `config.json` into a `ModelArchitecture`.
 
 This is the only module that knows Hugging Face key names. It accepts a file, a
-directory holding `config.json`, or a bundled preset name (see `presets`), unwraps
+directory holding `config.json`, or a bundled preset name (see `presets`: variants
+such as `-Instruct` find their base model's preset), unwraps
 the `text_config` of multimodal wrappers, and maps each family's way of spelling
 the same idea (experts, windows, latent attention, hybrid layer patterns) onto the
 typed description.
@@ -56,13 +57,31 @@ def load_config(source: str | Path) -> tuple[dict[str, Any], str]:
         _merge_modelopt_quantization(raw, path.parent / "hf_quant_config.json")
         name = path.parent.name if path.name == "config.json" else path.stem
         return raw, name
-    preset = presets.find(str(source))
-    if preset is None:
-        raise UnknownPresetError(
-            f"model {str(source)!r} is not a file, a directory with config.json, or a preset "
-            f"(known presets: {', '.join(presets.names()[:12])}, ... see `kvgate presets`)"
+    found = presets.match(str(source))
+    if found is None:
+        raise UnknownPresetError(unknown_model_message(str(source)))
+    return presets.load(found.preset), found.preset
+
+
+def unknown_model_message(name: str, elsewhere: str = "") -> str:
+    """One line for a name that is neither a file, a directory nor a preset: what is
+    missing, and the closest presets. `elsewhere` adds where else it was looked for
+    (", nor in ...")."""
+    base = presets.quantized_base(name)
+    if base is not None:
+        return (
+            f"model {name!r} is {base} quantized with {presets.quantization_of(name)}, "
+            "but no bundled preset has that quantization (the preset's weights "
+            f"would be counted at the wrong precision){elsewhere}: give its config.json "
+            "(a file or a directory)"
         )
-    return presets.load(preset), preset
+    close = presets.suggestions(name)
+    listed = ", ".join(close[:-1]) + " or " + close[-1] if len(close) > 1 else "".join(close)
+    hint = f"did you mean {listed}?" if close else "see `kvgate presets`"
+    return (
+        f"model {name!r} is not a file, a directory with config.json or a bundled preset"
+        f"{elsewhere}; {hint}"
+    )
 
 
 def _merge_modelopt_quantization(raw: dict[str, Any], quant_file: Path) -> None:
