@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,10 @@ from support.env import free_port, model_dir, vllm_python  # noqa: E402
 from support.load import stream_completion  # noqa: E402
 from support.sidecar import Sidecar, metric_value  # noqa: E402
 from support.vllm_server import VllmServer  # noqa: E402
+
+# scripts/demo names a directory for the servers' logs, kept only when the demo fails.
+if os.environ.get("KVGATE_LOG_DIR"):
+    tempfile.tempdir = os.environ["KVGATE_LOG_DIR"]
 
 MODEL = "tiny-llama"
 SENTENCE = "The quick brown fox jumps over the lazy dog. "  # 10 tokens

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "data"
+
+# scripts/check names a directory for the logs of the servers the tests start (kvgate,
+# Prometheus; vLLM reads it itself), removed when the run passes, kept when it fails.
+if os.environ.get("KVGATE_LOG_DIR"):
+    tempfile.tempdir = os.environ["KVGATE_LOG_DIR"]
 
 # tests/support and bench are plain folders of helpers, importable from tests.
 for extra in (ROOT, ROOT / "tests"):

@@ -30,6 +30,7 @@ import os
 import re
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -166,8 +167,10 @@ class VllmServer:
         self.fast_start = fast_start
         self.max_num_batched_tokens = max_num_batched_tokens
         self.startup_timeout = float(startup_timeout)
+        # scripts/check and scripts/demo name a directory that is kept only on failure.
         self.log_path = log_path or os.path.join(
-            os.environ.get("TMPDIR", "/tmp"), f"vllm-{served_name}-{self.port}.log"
+            os.environ.get("KVGATE_LOG_DIR") or tempfile.gettempdir(),
+            f"vllm-{served_name}-{self.port}.log",
         )
         self._proc: subprocess.Popen | None = None
         self._log_file = None
