@@ -26,7 +26,7 @@ import shlex
 import tomllib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import helm_python
@@ -821,3 +821,96 @@ def test_metric_names_agree_with_the_contract() -> None:
     unknown = {where: sorted(names - allowed) for where, names in used.items() if names - allowed}
     assert not unknown, f"metrics not in docs/contracts.md: {unknown}"
     assert used["rules"] and used["dashboard"], used
+
+
+# ------------------------------------------------------------------- KV cache events
+
+KV_EVENTS_OFF: dict[str, Any] = {"kvEvents": {"enabled": False}}
+# A publisher bound to every interface would hand prompt token ids to the network.
+WILDCARD_BINDS = ("tcp://*", "tcp://0.0.0.0", "tcp://[::]", "tcp://:")
+
+
+def kv_events_source(name: str) -> Source:
+    kind, _, which = name.partition(":")
+    return kustomize_source(which) if kind == "kustomize" else chart_source(which)
+
+
+@pytest.mark.parametrize(
+    "name", [f"kustomize:{d}" for d in KUSTOMIZATIONS] + [f"chart:{c}" for c in CHART_CASES]
+)
+def test_kv_events_stay_inside_the_pod(name: str) -> None:
+    """vLLM publishes its KV cache events (prompt token ids) on an ipc:// socket in an
+    emptyDir both containers mount, and kvgate subscribes to that same socket."""
+    source = kv_events_source(name)
+    pod = one(source, "Deployment")["spec"]["template"]["spec"]
+    where = f"{source.name} {ident(one(source, 'Deployment'))}"
+    containers = {c["name"]: c for c in pod["containers"]}
+    kvgate, vllm = containers["kvgate"], containers["vllm"]
+    vllm_flags = flags(vllm["args"])
+    assert "--kv-events-config" in vllm_flags, f"{where}: vLLM publishes no KV events"
+    config = json.loads(vllm_flags["--kv-events-config"])
+    assert config["enable_kv_cache_events"] is True and config["publisher"] == "zmq", config
+    endpoint = config["endpoint"]
+    assert endpoint.startswith("ipc:///"), f"{where}: vLLM publishes on {endpoint}"
+    assert "replay_endpoint" not in config, f"{where}: a replay socket is another listener"
+
+    subscribed = flags(kvgate["args"]).get("--kv-events-endpoint") or env_of(kvgate).get(
+        "KVGATE_KV_EVENTS_ENDPOINT"
+    )
+    assert subscribed == endpoint, f"{where}: kvgate subscribes to {subscribed}, not {endpoint}"
+
+    socket = PurePosixPath(endpoint.removeprefix("ipc://"))
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    mounted = set()
+    for container in (kvgate, vllm):
+        mounts = [
+            m for m in container["volumeMounts"]
+            if socket.is_relative_to(m["mountPath"]) and str(socket) != m["mountPath"]
+        ]
+        assert len(mounts) == 1, f"{where}: {container['name']} does not mount {socket.parent}"
+        assert not mounts[0].get("readOnly"), f"{where}: {container['name']} mounts it read-only"
+        mounted.add((mounts[0]["name"], mounts[0]["mountPath"]))
+    assert len(mounted) == 1, f"{where}: the containers mount different volumes there: {mounted}"
+    ((volume, _),) = mounted
+    assert set(volumes[volume]) == {"name", "emptyDir"}, (
+        f"{where}: the socket's volume {volume} must be a pod-private emptyDir: {volumes[volume]}"
+    )
+
+
+def test_kv_events_can_be_turned_off() -> None:
+    manifests = helm.render(CHART, values=KV_EVENTS_OFF, release=RELEASE, namespace=NAMESPACE)
+    (deployment,) = [m for m in manifests if m["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    for container in pod["containers"]:
+        assert not {"--kv-events-config", "--kv-events-endpoint"} & set(flags(container["args"]))
+        assert all(m["name"] != "kv-events" for m in container["volumeMounts"])
+    assert all(v["name"] != "kv-events" for v in pod["volumes"])
+    assert not schema_errors(deployment)
+
+
+@pytest.mark.parametrize(
+    "values",
+    [{"kvEvents": {"enabled": "yes"}}, {"kvEvents": {"enabled": True, "endpoint": "tcp://*:5557"}}],
+    ids=["not-boolean", "no-endpoint-setting"],
+)
+def test_values_schema_rejects_bad_kv_events(values: dict[str, Any]) -> None:
+    with pytest.raises(helm_python.HelmValuesError):
+        helm.render(CHART, values=values, release=RELEASE, namespace=NAMESPACE)
+
+
+def test_no_manifest_binds_every_interface() -> None:
+    texts = [(label, text) for source in all_sources() for label, text in source.texts]
+    texts += [(path, standalone_source(path).texts[0][1]) for path in STANDALONE]
+    off = helm.render_templates(CHART, values=KV_EVENTS_OFF, release=RELEASE, namespace=NAMESPACE)
+    texts += [(f"chart kvEvents off {label}", text) for label, text in off.items()]
+    for base in (KUBE, CHART):
+        texts += [
+            (str(path.relative_to(ROOT)), path.read_text(encoding="utf-8"))
+            for path in sorted(base.rglob("*"))
+            if path.is_file() and path.suffix in (".yaml", ".yml", ".json", ".tpl", ".txt")
+        ]
+    assert len(texts) > 20, len(texts)
+    found = [f"{label}: {bind}" for label, text in texts for bind in WILDCARD_BINDS if bind in text]
+    assert not found, "KV events (prompt token ids) must not listen on every interface:\n" + (
+        "\n".join(found)
+    )

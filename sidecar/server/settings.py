@@ -17,6 +17,8 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from sidecar.upstream.kv_events import check_endpoint
+
 
 class SettingsError(ValueError):
     """One or more settings are invalid; `lines` has one message per problem."""
@@ -74,6 +76,10 @@ class ServeSettings(BaseModel):
                                       description="how often to scrape the server's /metrics")
     metrics_stale_s: float = Field(10.0, gt=0, description="age after which server metrics "
                                    "are ignored (model-only decisions)")
+    kv_events_endpoint: str | None = Field(
+        None, description="where kvgate subscribes to vLLM's KV cache events (vLLM's "
+        "--kv-events-config endpoint, seen from kvgate), e.g. ipc:///run/kvgate/kv-events.sock "
+        "or tcp://127.0.0.1:5557")
     connect_timeout_s: float = Field(5.0, gt=0, description="upstream connect timeout")
     read_timeout_s: float = Field(600.0, gt=0,
                                   description="longest silence while reading an upstream response")
@@ -100,6 +106,11 @@ class ServeSettings(BaseModel):
         if parts.path not in ("", "/") or parts.query:
             raise ValueError("must be the server's base URL, without a path")
         return value.rstrip("/")
+
+    @field_validator("kv_events_endpoint")
+    @classmethod
+    def _zmq_endpoint(cls, value: str | None) -> str | None:
+        return None if value is None else check_endpoint(value)
 
 
 FIELDS = ServeSettings.model_fields
