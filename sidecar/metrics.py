@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from sidecar.admission import FINAL_OUTCOMES, SHADOW_OUTCOMES, Decision
@@ -33,6 +33,27 @@ RATIO_BUCKETS = (0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 3.0, 5.0)
 QUANTITIES = ("ttft", "tpot")
 
 
+PREFIX_SOURCES = ("events", "traffic", "off")
+
+
+@dataclass(frozen=True)
+class PrefixView:
+    """Prefix caching as kvgate sees it, read at scrape time."""
+
+    source: str  # events | traffic | off
+    server_prefix_caching: bool | None
+    held_blocks: int  # distinct prompt blocks admitted requests hold (counted once)
+    saved_blocks: int  # blocks requests share instead of each reserving them
+    query_tokens: int  # prompt tokens of admitted requests planned against the cache
+    predicted_hit_tokens: int  # of which kvgate predicted prefix-cache hits
+    server_query_tokens: float | None  # vllm:prefix_cache_queries_total
+    server_hit_tokens: float | None  # vllm:prefix_cache_hits_total
+    events_configured: bool
+    events_age_s: float | None  # since the last event batch (None: none yet)
+    events_stale: bool
+    events_gaps: int
+
+
 @dataclass(frozen=True)
 class StateView:
     """What the collector reads at scrape time."""
@@ -48,6 +69,7 @@ class StateView:
     upstream_up: bool
     upstream_metrics_age_s: float
     server_waiting: int | None
+    prefix: PrefixView | None = None
 
 
 class SidecarMetrics:
@@ -188,6 +210,8 @@ class _StateCollector(Collector):
         yield gauge("kvgate_upstream_metrics_age_seconds",
                     "Age of the last good scrape of the server's /metrics (+Inf: never).",
                     view.upstream_metrics_age_s)
+        if view.prefix is not None:
+            yield from _prefix_metrics(view.prefix, gauge)
         if self._gateway:
             waiting = view.queue_requests + (view.server_waiting or 0)
             usage = 0.0
@@ -201,3 +225,65 @@ class _StateCollector(Collector):
             yield gauge("vllm:kv_cache_usage_perc",
                         "kvgate's predictive view: max(reserved, used, forecast peak) / capacity.",
                         usage)
+
+
+def _ratio(part: float | None, whole: float | None) -> float | None:
+    if part is None or whole is None or whole <= 0:
+        return None
+    return part / whole
+
+
+def _prefix_metrics(
+    prefix: PrefixView, gauge: Callable[[str, str, float | None], GaugeMetricFamily]
+) -> Iterator[Metric]:
+    source = GaugeMetricFamily(
+        "kvgate_prefix_cache_source",
+        "1 for where kvgate's view of the server's prefix cache comes from: the server's "
+        "KV cache events, a model fed by kvgate's own traffic, or off.", labels=["source"])
+    for name in PREFIX_SOURCES:
+        source.add_metric([name], 1.0 if prefix.source == name else 0.0)
+    yield source
+    caching = prefix.server_prefix_caching
+    yield gauge("kvgate_server_prefix_caching",
+                "1 when the server has prefix caching on (its cache_config_info), else 0.",
+                None if caching is None else float(caching))
+    yield gauge("kvgate_prefix_held_blocks",
+                "Prompt blocks admitted requests hold by reference, each counted once.",
+                prefix.held_blocks)
+    yield gauge("kvgate_prefix_shared_blocks",
+                "KV blocks admitted requests share with other admitted requests instead of "
+                "each reserving them.", prefix.saved_blocks)
+    queries = CounterMetricFamily(
+        "kvgate_prefix_query_tokens",
+        "Prompt tokens of admitted requests planned against the prefix cache.")
+    queries.add_metric([], float(prefix.query_tokens))
+    yield queries
+    hits = CounterMetricFamily(
+        "kvgate_prefix_predicted_hit_tokens",
+        "Of those, prompt tokens kvgate predicted the server would find in its prefix cache.")
+    hits.add_metric([], float(prefix.predicted_hit_tokens))
+    yield hits
+    ratio = GaugeMetricFamily(
+        "kvgate_prefix_cache_hit_ratio",
+        "Prefix-cache hit tokens over queried prompt tokens since start: kvgate's "
+        "prediction, and the server's own (vllm:prefix_cache_hits / queries).",
+        labels=["source"])
+    predicted = _ratio(prefix.predicted_hit_tokens, prefix.query_tokens)
+    server = _ratio(prefix.server_hit_tokens, prefix.server_query_tokens)
+    ratio.add_metric(["predicted"], math.nan if predicted is None else predicted)
+    ratio.add_metric(["server"], math.nan if server is None else server)
+    yield ratio
+    if prefix.events_configured:
+        yield gauge("kvgate_kv_events_age_seconds",
+                    "Seconds since the last batch of the server's KV cache events (+Inf: none "
+                    "yet).", math.inf if prefix.events_age_s is None else prefix.events_age_s)
+        yield gauge("kvgate_kv_events_stale",
+                    "1 when the server prefilled requests but sent no KV cache events for them: "
+                    "kvgate falls back to its own model of the server's cache.",
+                    float(prefix.events_stale))
+        gaps = CounterMetricFamily(
+            "kvgate_kv_events_gaps",
+            "Gaps in the KV cache event sequence (missed events, server restarts): each "
+            "drops kvgate's view of the server's cache.")
+        gaps.add_metric([], float(prefix.events_gaps))
+        yield gaps

@@ -58,19 +58,39 @@ def test_never_fits_tells_the_largest_max_tokens() -> None:
     ctl = controller(num_blocks=64)
 
     async def scenario() -> None:
-        # 63 usable blocks x 0.95 = 59 blocks of 16 = 944 tokens for one request.
-        with pytest.raises(Rejected) as too_long:
+        # 63 usable blocks x 0.95 = 59 blocks of 16 = 944 tokens held for one request;
+        # the last output token is never fed back, so prompt + max_tokens - 1 <= 944.
+        with pytest.raises(Rejected) as too_big:
             await admit(ctl, prompt_tokens=900, max_tokens=200)
-        decision = too_long.value.decision
+        decision = too_big.value.decision
         assert decision.outcome is Outcome.NEVER_FITS
-        # max_model_len allows 124 more tokens, the cache only 44.
-        assert decision.details["largest_max_tokens"] == 44
-        assert "max_model_len (1024)" in decision.reason and decision.retry_after_s is None
-        # 4 sequences of 300 tokens need 76 blocks; 4 x 224 tokens fit in 59 blocks.
+        # max_model_len allows 124 more tokens (vLLM clamps max_tokens to them), the
+        # cache only 45.
+        assert decision.details["largest_max_tokens"] == 45
+        assert "64 KV blocks, more than the 59" in decision.reason
+        assert decision.retry_after_s is None
+        # 4 sequences of 300 tokens need 76 blocks; 4 x (200 + 25 - 1) tokens fit in 56.
         with pytest.raises(Rejected) as too_big:
             await admit(ctl, prompt_tokens=200, max_tokens=100, sequences=4)
         assert too_big.value.decision.outcome is Outcome.NEVER_FITS
-        assert too_big.value.decision.details["largest_max_tokens"] == 24
+        assert too_big.value.decision.details["largest_max_tokens"] == 25
+        # A prompt that leaves no room for output is refused as vLLM refuses it.
+        with pytest.raises(Rejected) as too_long:
+            await admit(ctl, prompt_tokens=1024, max_tokens=10)
+        assert too_long.value.decision.outcome is Outcome.NEVER_FITS
+        assert "max_model_len (1024)" in too_long.value.decision.reason
+
+    run(scenario())
+
+
+def test_max_tokens_beyond_the_context_is_clamped_as_vllm_clamps_it() -> None:
+    ctl = controller(num_blocks=128)
+
+    async def scenario() -> None:
+        # vLLM 0.32 serves prompt + max_tokens > max_model_len up to the context limit.
+        ticket = await admit(ctl, prompt_tokens=1000, max_tokens=500)
+        assert ticket.reserved_output_tokens == 24  # type: ignore[attr-defined]
+        assert ticket.cost.kv_blocks == 64  # type: ignore[attr-defined]
 
     run(scenario())
 

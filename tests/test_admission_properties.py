@@ -226,3 +226,61 @@ TestQuantileProperties = QuantileMachine.TestCase
 def test_outcomes_seen_cover_the_decision_kinds() -> None:
     """Sanity: the machine's world produces queueing, rejections and cancellations."""
     assert {Outcome.QUEUE_FULL, Outcome.DEADLINE, Outcome.QUEUE_TIMEOUT} <= set(Outcome)
+
+
+def family_keys(family: int, blocks: int, unique: int) -> tuple[bytes, ...]:
+    """Prompt block keys: `blocks` shared by every prompt of the family, then a tail."""
+    from sidecar.admission.prefix import block_keys
+
+    tokens = [family * 1000 + i for i in range(blocks * 16)] + [
+        7_000_000 + unique * 100 + i for i in range(32)]
+    return block_keys(tokens, 16)
+
+
+class PrefixMachine(AdmissionMachine):
+    """The same invariants with prompts that share prefixes: shared prompt blocks are
+    counted once, held by reference and freed with their last holder."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unique = itertools.count()
+
+    @rule(family=st.integers(0, 2), blocks=st.integers(0, 20), output=st.integers(1, 300),
+          band=st.integers(0, 2), tenant=st.sampled_from("abc"))
+    def arrive_with_prefix(self, family: int, blocks: int, output: int, band: int,
+                           tenant: str) -> None:
+        keys = family_keys(family, blocks, next(self.unique))
+        request = AdmissionRequest(blocks * 16 + 40, output, band=band, tenant=tenant,
+                                   block_keys=keys)
+        task = self.loop.create_task(self.ctl.admit(request))
+        self.pending.append(Pending(task, request, next(self.seq)))
+        self.settle()
+
+    @precondition(lambda self: self.running)
+    @rule(index=st.integers(0, 100))
+    def prefilled(self, index: int) -> None:
+        ticket, _ = self.running[index % len(self.running)]
+        ticket.first_token()
+        self.settle()
+
+    @invariant()
+    def every_admitted_request_holds_exactly_one_reservation(self) -> None:
+        ledger = self.ctl.ledger
+        assert ledger.reservations == len(self.running) == self.ctl.inflight
+        held: dict[bytes, int] = {}
+        for ticket, _ in self.running:
+            for key in ticket.reservation.keys:
+                held[key] = held.get(key, 0) + 1
+        # No shared block is freed while a running request holds it, and none is kept
+        # once nothing holds it.
+        assert all(ledger.holders(key) == count for key, count in held.items())
+        assert ledger.shared_keys == len(held)
+        own = sum(t.reservation.blocks for t, _ in self.running)
+        assert ledger.reserved_blocks == own + len(held) * ledger.blocks_per_key
+
+
+PrefixMachine.TestCase.settings = settings(
+    max_examples=120, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestPrefixProperties = PrefixMachine.TestCase

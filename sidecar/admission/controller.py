@@ -44,6 +44,14 @@ from sidecar.admission.policies import (
     QueueLimits,
     StrictPriority,
 )
+from sidecar.admission.prefix import (
+    EventCache,
+    PrefixIndex,
+    PrefixPlan,
+    ServerCache,
+    TrafficCache,
+    block_keys,
+)
 from sidecar.admission.queue import AdmissionQueue, Entry
 
 Clock = Callable[[], float]
@@ -91,6 +99,7 @@ class AdmissionRequest:
     band: int = 1  # 0 is the most important
     tenant: str = "default"
     ttft_slo_s: float | None = None
+    block_keys: tuple[bytes, ...] = ()  # its prompt's full blocks (`prompt_keys`)
 
 
 @dataclass(frozen=True)
@@ -132,8 +141,10 @@ class Ticket:
         queue_wait_s: float,
         predicted_ttft_s: float,
         shadow_outcome: Outcome | None,
+        plan: PrefixPlan | None = None,
     ) -> None:
         self._controller = controller
+        self.plan = plan or PrefixPlan.none()
         self.key = key
         self.request = request
         self.cost = cost
@@ -146,6 +157,15 @@ class Ticket:
         self.output_tokens = 0
         self.first_token_s: float | None = None
         self.finished = False
+        self.past_prefill_peak = False
+
+    @property
+    def reserved_blocks(self) -> int:
+        """What it holds in the ledger now: its own blocks plus the prompt blocks it
+        brought (those no admitted request held before it)."""
+        brought = (len(self.reservation.keys) - self.plan.shared) * (
+            self._controller.ledger.blocks_per_key)
+        return 0 if self.reservation.released else self.reservation.blocks + brought
 
     @property
     def reserved_output_tokens(self) -> int:
@@ -154,6 +174,7 @@ class Ticket:
     def first_token(self) -> None:
         if self.first_token_s is None:
             self.first_token_s = self._controller.clock()
+            self._controller._prefilled(self)
 
     def progress(self, output_tokens: int) -> None:
         """Output tokens generated so far (per sequence). A request that outgrows its
@@ -164,6 +185,8 @@ class Ticket:
         self.output_tokens = output_tokens
         if self.output_tokens > self.cost.output_tokens:
             self._controller._grow(self)
+        elif not self.past_prefill_peak and output_tokens >= 2:
+            self._controller._shrink(self)
 
     def finish(self, output_tokens: int | None = None, *, completed: bool = True) -> bool:
         """Release the reservation. True the first time only."""
@@ -223,6 +246,63 @@ class AdmissionController:
         self._last_duration_s = 0.0
         self._draining = False
         self._drain_deadline_s: float | None = None
+        self.traffic_cache = TrafficCache()
+        self.event_cache: EventCache | None = None
+        self.prefix: PrefixIndex | None = None
+        self._prefix_caching = True
+        # When a request with full prompt blocks was last prefilled (its first token).
+        self.last_prefill_s: float | None = None
+        self._configure_prefix()
+
+    # ---- prefix caching ---------------------------------------------------------------
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Whether the server shares prompt blocks (vLLM's --enable-prefix-caching)."""
+        if enabled != self._prefix_caching:
+            self._prefix_caching = enabled
+            self._configure_prefix()
+
+    def use_events(self, cache: EventCache | None) -> None:
+        """Take what the server has cached from its KV cache events (None: from
+        kvgate's own traffic, when the events are missing or stale)."""
+        if cache is not self.event_cache:
+            self.event_cache = cache
+            self._configure_prefix()
+
+    @property
+    def prefix_source(self) -> str:
+        """events | traffic | off: where the view of the server's cache comes from."""
+        return "off" if self.prefix is None else self.prefix.server.source
+
+    def _configure_prefix(self) -> None:
+        layout = self.cost_model.served.layout
+        block_size = layout.prefix_block_size
+        self.ledger.blocks_per_key = max(1, layout.prefix_groups)
+        if not self._prefix_caching or block_size is None:
+            self.prefix = None
+            return
+        server: ServerCache = self.traffic_cache
+        if self.event_cache is not None and self.event_cache.block_size == block_size:
+            server = self.event_cache
+        hits = (self.prefix.query_tokens, self.prefix.hit_tokens) if self.prefix else (0, 0)
+        self.prefix = PrefixIndex(block_size, server)
+        self.prefix.query_tokens, self.prefix.hit_tokens = hits
+
+    def prompt_keys(self, token_ids: list[int] | tuple[int, ...], salt: bytes = b"") -> tuple[
+            bytes, ...]:
+        """Keys of a prompt's full blocks, or () when the server shares none."""
+        if self.prefix is None:
+            return ()
+        return block_keys(token_ids, self.prefix.block_size, salt)
+
+    def _plan(self, request: AdmissionRequest) -> PrefixPlan:
+        if self.prefix is None or not request.block_keys or request.sequences != 1:
+            return PrefixPlan.none()
+        return self.prefix.plan(request.block_keys, request.prompt_tokens, self.ledger)
+
+    def _own_blocks(self, peak_blocks: int, plan: PrefixPlan) -> int:
+        """Blocks of a peak that are the request's own (not a shared prompt block)."""
+        return max(0, peak_blocks - len(plan.keys) * self.ledger.blocks_per_key)
 
     # ---- configuration from the outside ----------------------------------------------
 
@@ -254,6 +334,7 @@ class AdmissionController:
         self.cost_model = cost_model
         capacity = cost_model.served.capacity
         self._model_capacity = capacity.usable_blocks if capacity else None
+        self._configure_prefix()
         self.update_server(self.server)
 
     def drain(self, timeout_s: float) -> None:
@@ -346,11 +427,15 @@ class AdmissionController:
             request.prompt_tokens, request.max_tokens, self.cost_model.max_model_len,
             request.tenant,
         )
+        # vLLM clamps max_tokens to the context left (see `_never_fits`).
+        output = min(output, max(0, self.cost_model.max_model_len - request.prompt_tokens))
         running = len(self._running)
         slowdown = self.prefill_load.slowdown(self.clock(), running)
+        plan = self._plan(request)
+        shared = plan.shared * self.ledger.blocks_per_key
         cost = self.cost_model.cost(
             request.prompt_tokens, output, request.sequences, running, self._mean_context(),
-            slowdown,
+            slowdown, shared_blocks=shared, cached_tokens=plan.cached_tokens,
         )
         # The learned policy leaves part of the worst case unreserved; bound the total.
         unreserved = cost.worst_case_blocks - cost.kv_blocks
@@ -360,15 +445,18 @@ class AdmissionController:
                 worst = self.cost_model.max_model_len - request.prompt_tokens
                 cost = self.cost_model.cost(
                     request.prompt_tokens, max(worst, 0), request.sequences, running,
-                    self._mean_context(), slowdown,
+                    self._mean_context(), slowdown, shared_blocks=shared,
+                    cached_tokens=plan.cached_tokens,
                 )
         return cost
 
     def _never_fits(self, request: AdmissionRequest, cost: RequestCost) -> Decision | None:
         max_len = self.cost_model.max_model_len
         target = self.ledger.target_blocks
-        too_long = cost.total_tokens > max_len
-        too_big = cost.kv_blocks > target
+        # vLLM refuses a prompt that leaves no room for output; a longer max_tokens it
+        # clamps to the context left (0.32 and later) or refuses itself (older).
+        too_long = request.prompt_tokens >= max_len
+        too_big = cost.kv_blocks + cost.shared_blocks > target
         if not (too_long or too_big):
             return None
         largest = min(
@@ -378,11 +466,12 @@ class AdmissionController:
         )
         largest = max(0, largest)
         if too_long:
-            what = (f"prompt ({request.prompt_tokens} tokens) + max_tokens "
-                    f"({cost.output_tokens}) exceeds the model's max_model_len ({max_len})")
+            what = (f"prompt ({request.prompt_tokens} tokens) leaves no room for output within "
+                    f"the model's max_model_len ({max_len})")
         else:
-            what = (f"{request.sequences} x {cost.total_tokens} tokens need {cost.kv_blocks} KV "
-                    f"blocks, more than the {target} blocks the whole cache can give one request")
+            what = (f"{request.sequences} x {cost.total_tokens} tokens need "
+                    f"{cost.kv_blocks + cost.shared_blocks} KV blocks, more than the {target} "
+                    "blocks the whole cache can give one request")
         hint = (f"; the largest max_tokens that fits is {largest}" if largest > 0 else
                 "; the prompt alone does not fit")
         return Decision(
@@ -477,7 +566,13 @@ class AdmissionController:
         while len(self.queue):
             now = self.clock()
             entry = self.queue.peek(now)
-            if entry is None or not self.ledger.fits(entry.blocks):
+            if entry is None:
+                return
+            head = cast(_Waiter, entry.payload)
+            # What the head is charged now: the blocks it shares may have changed.
+            charge = (head.cost.kv_blocks if self.prefix is None or not head.request.block_keys
+                      else self._charge(head.request, head.cost))
+            if not self.ledger.fits(charge):
                 return
             popped = self.queue.pop(now)
             assert popped is entry
@@ -506,9 +601,27 @@ class AdmissionController:
         predicted_ttft_s: float,
         shadow_outcome: Outcome | None = None,
     ) -> Ticket:
-        reservation = self.ledger.reserve(cost.kv_blocks, cost.worst_case_blocks)
+        plan = self._plan(request)
+        shared = plan.shared * self.ledger.blocks_per_key
+        peak = cost.kv_blocks + cost.shared_blocks
+        own = self._own_blocks(peak, plan)
+        unreserved = max(0, cost.worst_case_blocks - cost.kv_blocks)
+        if shared != cost.shared_blocks or plan.cached_tokens != cost.cached_tokens:
+            # What it shares changed while it waited (a holder filled its blocks).
+            running = len(self._running)
+            cost = replace(
+                self.cost_model.cost(
+                    request.prompt_tokens, cost.output_tokens, request.sequences, running,
+                    self._mean_context(), self.prefill_load.slowdown(now, running),
+                    shared_blocks=shared, cached_tokens=plan.cached_tokens),
+                worst_case_blocks=peak - shared + unreserved)
+            predicted_ttft_s = queue_wait_s + cost.prefill_s
+        reservation = self.ledger.reserve(own, own + unreserved, plan.keys)
+        self.traffic_cache.allocated(cost.kv_blocks)
+        if self.prefix is not None and request.block_keys:
+            self.prefix.count(plan, request.prompt_tokens)
         ticket = Ticket(self, next(self._keys), request, cost, reservation, now, queue_wait_s,
-                        predicted_ttft_s, shadow_outcome)
+                        predicted_ttft_s, shadow_outcome, plan)
         self._running[ticket.key] = ticket
         self._last_duration_s = cost.prefill_s + cost.decode_s
         self._context_tokens += request.prompt_tokens
@@ -516,14 +629,43 @@ class AdmissionController:
         self._schedule = None
         return ticket
 
+    def _charge(self, request: AdmissionRequest, cost: RequestCost) -> int:
+        """Blocks admitting `request` would add to the ledger now."""
+        plan = self._plan(request)
+        return cost.kv_blocks + cost.shared_blocks - plan.shared * self.ledger.blocks_per_key
+
     def _grow(self, ticket: Ticket) -> None:
-        tokens = ticket.request.prompt_tokens + ticket.output_tokens
-        blocks = self.cost_model.blocks(tokens, ticket.request.sequences)
+        request = ticket.request
+        peak = self.cost_model.peak_blocks(request.prompt_tokens, ticket.output_tokens + 1,
+                                           request.sequences, ticket.output_tokens)
+        blocks = self._own_blocks(peak, ticket.plan)
         if blocks > ticket.reservation.blocks:
             ticket.reservation.resize(blocks)
             ticket.cost = replace(ticket.cost, output_tokens=ticket.output_tokens,
-                                  kv_blocks=blocks)
+                                  kv_blocks=peak - ticket.cost.shared_blocks)
             self._schedule = None
+
+    def _shrink(self, ticket: Ticket) -> None:
+        """Past the prefill, a request on a model with sliding windows holds less than
+        at its prefill peak: keep only the peak still ahead of it."""
+        ticket.past_prefill_peak = True
+        if not self.cost_model.served.layout.recycles_blocks:
+            return
+        request = ticket.request
+        peak = self.cost_model.peak_blocks(request.prompt_tokens, ticket.cost.output_tokens,
+                                           request.sequences, ticket.output_tokens)
+        blocks = self._own_blocks(peak, ticket.plan)
+        if blocks < ticket.reservation.blocks:
+            ticket.reservation.resize(blocks)
+            self._schedule = None
+            self._dispatch()
+
+    def _prefilled(self, ticket: Ticket) -> None:
+        """Its first token came: the server has filled (and cached) its prompt blocks."""
+        if ticket.reservation.mark_filled() and ticket.reservation.keys:
+            self.last_prefill_s = self.clock()
+            self.traffic_cache.filled(ticket.reservation.keys)
+            self._dispatch()
 
     def _progressed(self, ticket: Ticket, added_tokens: int) -> None:
         if ticket.key in self._running:
@@ -532,7 +674,12 @@ class AdmissionController:
     def _finished(self, ticket: Ticket, completed: bool) -> None:
         if self._running.pop(ticket.key, None) is not None:
             self._context_tokens -= ticket.request.prompt_tokens + ticket.output_tokens
-        ticket.reservation.release()
+        reservation = ticket.reservation
+        last_held = [key for key in reservation.keys if self.ledger.holders(key) == 1]
+        if reservation.release() and last_held and reservation.filled:
+            # Its blocks stay in the server's cache, free, until vLLM evicts them.
+            free = self.ledger.capacity_blocks - self.ledger.effective_used_blocks
+            self.traffic_cache.freed(last_held, free)
         if completed and ticket.output_tokens > 0:
             self.output_policy.observe(ticket.request.tenant, ticket.output_tokens)
             self._outputs.observe(ticket.request.tenant, ticket.output_tokens)
@@ -583,12 +730,12 @@ class AdmissionController:
             started = ticket.first_token_s or (ticket.admitted_s + ticket.cost.prefill_s)
             remaining = max(0, expected - progress)
             finish_in = max(0.0, started - now) + remaining * tpot
+            shared = ticket.cost.shared_blocks
             views.append(RunningRequest(
-                blocks_now=self.cost_model.blocks(request.prompt_tokens + progress,
-                                                  request.sequences),
-                blocks_final=self.cost_model.blocks(request.prompt_tokens + expected,
-                                                    request.sequences),
-                blocks_reserved=ticket.reservation.blocks,
+                blocks_now=max(0, self._blocks_now(ticket, progress) - shared),
+                blocks_final=max(0, self.cost_model.blocks_now(
+                    request.prompt_tokens, max(1, expected), request.sequences) - shared),
+                blocks_reserved=ticket.reserved_blocks,
                 finish_in_s=finish_in,
             ))
         return views
@@ -612,15 +759,21 @@ class AdmissionController:
         by_time = 1 + int((now - started) / ticket.predicted_tpot_s)
         return min(ticket.cost.output_tokens, max(ticket.output_tokens, by_time))
 
+    def _blocks_now(self, ticket: Ticket, produced: int) -> int:
+        """Blocks the server holds for a running request now (its whole prompt is held
+        once admitted: vLLM allocates a chunk's blocks when it schedules it)."""
+        return self.cost_model.blocks_now(ticket.request.prompt_tokens, produced,
+                                          ticket.request.sequences)
+
     def _growth_blocks(self) -> int:
         """Blocks the running requests still add before they finish (their reservation
         less what the server already holds for them)."""
         now = self.clock()
         growth = 0
         for ticket in self._running.values():
-            tokens = ticket.request.prompt_tokens + self._server_progress(ticket, now)
-            now_blocks = self.cost_model.blocks(tokens, ticket.request.sequences)
-            growth += max(0, ticket.reservation.blocks - now_blocks)
+            now_blocks = self._blocks_now(ticket, self._server_progress(ticket, now))
+            held = max(0, now_blocks - ticket.cost.shared_blocks)
+            growth += max(0, ticket.reserved_blocks - held)
         return growth
 
     def forecast(self) -> Forecast:
@@ -681,6 +834,41 @@ class AdmissionController:
 
     # ---- introspection ----------------------------------------------------------------------
 
+    def prefix_state(self) -> dict[str, object]:
+        prefix = self.prefix
+        cached = len(self.event_cache) if self.event_cache is not None else None
+        return {
+            "source": self.prefix_source,
+            "block_size": prefix.block_size if prefix else None,
+            "shared_blocks": self.ledger.shared_blocks,
+            "held_prompt_blocks": self.ledger.shared_keys,
+            "server_cached_blocks": cached if self.prefix_source == "events"
+            else len(self.traffic_cache),
+            "query_tokens": prefix.query_tokens if prefix else 0,
+            "predicted_hit_tokens": prefix.hit_tokens if prefix else 0,
+        }
+
+    def request_states(self, limit: int = 256) -> list[dict[str, object]]:
+        """The running requests (oldest first, at most `limit`): what each holds in the
+        ledger now and what the server holds for it."""
+        now = self.clock()
+        states: list[dict[str, object]] = []
+        for ticket in itertools.islice(self._running.values(), limit):
+            produced = self._server_progress(ticket, now)
+            states.append({
+                "ticket": ticket.key,
+                "prompt_tokens": ticket.request.prompt_tokens,
+                "output_tokens": ticket.output_tokens,
+                "reserved_output_tokens": ticket.cost.output_tokens,
+                "reserved_blocks": ticket.reserved_blocks,
+                "shared_blocks": ticket.cost.shared_blocks,
+                "cached_tokens": ticket.cost.cached_tokens,
+                "blocks_now": self._blocks_now(ticket, produced),
+                "peak_blocks": ticket.reservation.blocks + len(ticket.reservation.keys)
+                * self.ledger.blocks_per_key,
+            })
+        return states
+
     @property
     def inflight(self) -> int:
         return len(self._running)
@@ -711,7 +899,10 @@ class AdmissionController:
                 "headroom_blocks": snapshot.headroom_blocks,
                 "reservations": snapshot.reservations,
                 "overcommit_blocks": snapshot.overcommit_blocks,
+                "shared_blocks": snapshot.shared_blocks,
             },
+            "prefix": self.prefix_state(),
+            "requests": self.request_states(),
             "queue": {
                 "length": len(self.queue),
                 "blocks": self.queue.blocks,

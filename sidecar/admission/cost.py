@@ -1,5 +1,7 @@
-"""What one request will cost the server: KV blocks exactly as vLLM allocates them,
-prefill FLOPs and time, decode time per token.
+"""What one request will cost the server: KV blocks exactly as vLLM allocates them
+over the request's life (its peak, less the prompt blocks it shares with requests
+already admitted), prefill FLOPs and time (prefix-cache hits skipped), decode time
+per token.
 
 `CostModel` wraps the analytical model (`ServedModel`) and memoises the few
 functions the hot path calls, bucketing continuous inputs so that a decision costs
@@ -30,6 +32,8 @@ class RequestCost:
     prefill_s: float  # predicted time to its first token, others' prefills included
     tpot_s: float  # per output token at the batch it will join
     prefill_work_s: float = 0.0  # its own prefill, as engine time (no slowdown)
+    shared_blocks: int = 0  # blocks of its peak that admitted requests already hold
+    cached_tokens: int = 0  # prompt tokens the server will not prefill (prefix hits)
 
     @property
     def total_tokens(self) -> int:
@@ -52,6 +56,7 @@ class CostModel:
     def __init__(self, served: ServedModel) -> None:
         self.served = served
         self._blocks = lru_cache(maxsize=65_536)(served.blocks_for_request)
+        self.lifecycle = served.lifecycle
         self._prefill = lru_cache(maxsize=16_384)(self._prefill_uncached)
         self._tpot = lru_cache(maxsize=16_384)(self._tpot_uncached)
         self._flops_per_token = 2.0 * served.arch.params_active()
@@ -65,10 +70,23 @@ class CostModel:
         return self.served.deployment.block_size
 
     def blocks(self, tokens: int, sequences: int = 1) -> int:
-        """KV blocks `sequences` sequences of `tokens` tokens hold at their peak."""
+        """KV blocks `sequences` sequences of `tokens` tokens hold once all of them are
+        in the cache (windows capped as vLLM's planner caps them)."""
         if tokens <= 0:
             return 0
         return sequences * self._blocks(tokens)
+
+    def peak_blocks(self, prompt_tokens: int, output_tokens: int, sequences: int = 1,
+                    produced: int = 0) -> int:
+        """The most `sequences` sequences hold from `produced` output tokens to their
+        end (the reservation still needed; see `model.lifecycle`)."""
+        if prompt_tokens + output_tokens <= 0:
+            return 0
+        return sequences * self.lifecycle.peak_blocks(prompt_tokens, output_tokens, produced)
+
+    def blocks_now(self, prompt_tokens: int, produced: int, sequences: int = 1) -> int:
+        """Blocks held now, `produced` output tokens into the request."""
+        return sequences * self.lifecycle.blocks_now(prompt_tokens, produced)
 
     def cost(
         self,
@@ -78,33 +96,44 @@ class CostModel:
         running: int = 0,
         mean_context: int = 0,
         slowdown: float = 1.0,
+        *,
+        shared_blocks: int = 0,
+        cached_tokens: int = 0,
     ) -> RequestCost:
         """`slowdown` (>= 1) stretches the times for the prefill work of others
-        sharing the engine (see `load.PrefillLoad`)."""
+        sharing the engine (see `load.PrefillLoad`). `shared_blocks` of the peak are
+        held already by admitted requests with the same prefix; `cached_tokens` of
+        the prompt are prefix-cache hits the server does not prefill again."""
         total = prompt_tokens + output_tokens
-        prefill = self.prefill_s(prompt_tokens, running, mean_context)
+        cached = max(0, min(cached_tokens, prompt_tokens - 1))
+        prefill = self.prefill_s(prompt_tokens - cached, running, mean_context, cached)
+        peak = self.peak_blocks(prompt_tokens, output_tokens, sequences)
+        worst_output = max(output_tokens, self.max_model_len - prompt_tokens)
+        shared = min(shared_blocks, peak)
         return RequestCost(
             prompt_tokens=prompt_tokens,
             output_tokens=output_tokens,
             sequences=sequences,
-            kv_blocks=self.blocks(total, sequences),
-            worst_case_blocks=self.blocks(max(total, self.max_model_len), sequences),
-            prefill_flops=self._flops_per_token * prompt_tokens,
+            kv_blocks=peak - shared,
+            worst_case_blocks=self.peak_blocks(prompt_tokens, worst_output, sequences) - shared,
+            prefill_flops=self._flops_per_token * (prompt_tokens - cached),
             prefill_s=prefill * slowdown,
             # Engine time only: the API server's per-request work runs beside the engine.
             prefill_work_s=max(0.0, prefill - self.served.efficiency.per_request_s),
             tpot_s=self.tpot_s(running + sequences, mean_context or total) * slowdown,
+            shared_blocks=shared,
+            cached_tokens=cached,
         )
 
     def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int) -> int:
         """The largest max_tokens whose reservation fits in `blocks` and max_model_len."""
         high = self.max_model_len - prompt_tokens
-        if high <= 0 or self.blocks(prompt_tokens + 1, sequences) > blocks:
+        if high <= 0 or self.peak_blocks(prompt_tokens, 1, sequences) > blocks:
             return 0
         low = 1
         while low < high:
             mid = (low + high + 1) // 2
-            if self.blocks(prompt_tokens + mid, sequences) <= blocks:
+            if self.peak_blocks(prompt_tokens, mid, sequences) <= blocks:
                 low = mid
             else:
                 high = mid - 1
@@ -112,17 +141,20 @@ class CostModel:
 
     # ---- memoised latency ----------------------------------------------------------
 
-    def prefill_s(self, prompt_tokens: int, running: int = 0, mean_context: int = 0) -> float:
+    def prefill_s(self, prompt_tokens: int, running: int = 0, mean_context: int = 0,
+                  cached_tokens: int = 0) -> float:
+        """Prefill of `prompt_tokens` new tokens after `cached_tokens` of prefix hits."""
         prompt = max(_PROMPT_BUCKET, -(-prompt_tokens // _PROMPT_BUCKET) * _PROMPT_BUCKET)
         context = (mean_context // _CONTEXT_BUCKET) * _CONTEXT_BUCKET
-        return self._prefill(prompt, running, context) * prompt_tokens / prompt
+        cached = (cached_tokens // _CONTEXT_BUCKET) * _CONTEXT_BUCKET
+        return self._prefill(prompt, running, context, cached) * prompt_tokens / prompt
 
     def tpot_s(self, batch: int, mean_context: int) -> float:
         context = max(1, (mean_context // _CONTEXT_BUCKET) * _CONTEXT_BUCKET)
         return self._tpot(max(1, batch), context)
 
-    def _prefill_uncached(self, prompt: int, running: int, context: int) -> float:
-        phase = self.served.ttft(prompt, (max(1, context),) * running)
+    def _prefill_uncached(self, prompt: int, running: int, context: int, cached: int) -> float:
+        phase = self.served.ttft(prompt, (max(1, context),) * running, cached)
         return 0.0 if phase is None else phase.seconds
 
     def _tpot_uncached(self, batch: int, context: int) -> float:

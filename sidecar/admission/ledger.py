@@ -5,6 +5,14 @@ with `release()`. Releasing again does nothing and returns False, so a `finally`
 block can always release; the ledger never settles a reservation on its own. A
 reservation can grow or shrink (`resize`) while it is held.
 
+Shared prompt blocks: a reservation may also hold references to prompt blocks
+(`keys`, see `prefix`), each worth `blocks_per_key` blocks (one per KV cache group
+that shares prompt blocks). A block counts once, however many reservations hold
+it, and is freed when its last holder releases. `reserved_blocks` is the sum of the
+reservations' own blocks plus the distinct shared blocks held. A holder that has
+filled its blocks on the server (its prefill was scheduled) marks them `filled`:
+from then on later requests really share them.
+
 Headroom reconciles what kvgate reserved with what the server reports it really
 uses: the effective use is the larger of the reservations and the observed use
 plus the growth still to come for the running requests (prefix-cache hits make the
@@ -22,14 +30,30 @@ class LedgerError(RuntimeError):
 
 
 class Reservation:
-    __slots__ = ("_ledger", "_released", "blocks", "key", "worst_case_blocks")
+    __slots__ = ("_filled", "_ledger", "_released", "blocks", "key", "keys",
+                 "worst_case_blocks")
 
-    def __init__(self, ledger: Ledger, key: int, blocks: int, worst_case_blocks: int) -> None:
+    def __init__(self, ledger: Ledger, key: int, blocks: int, worst_case_blocks: int,
+                 keys: tuple[bytes, ...] = ()) -> None:
         self._ledger = ledger
         self._released = False
+        self._filled = False
         self.key = key
-        self.blocks = blocks
+        self.blocks = blocks  # its own, not counting the shared prompt blocks
         self.worst_case_blocks = worst_case_blocks
+        self.keys = keys  # shared prompt blocks it holds a reference on
+
+    @property
+    def filled(self) -> bool:
+        return self._filled
+
+    def mark_filled(self) -> bool:
+        """Its prompt blocks are on the server now. True the first time only."""
+        if self._released or self._filled:
+            return False
+        self._filled = True
+        self._ledger._fill(self)
+        return True
 
     @property
     def released(self) -> bool:
@@ -66,6 +90,7 @@ class LedgerSnapshot:
     headroom_blocks: int
     reservations: int
     overcommit_blocks: int
+    shared_blocks: int = 0
 
 
 class Ledger:
@@ -82,17 +107,25 @@ class Ledger:
         self._overcommit = 0
         self.observed_used_blocks: int | None = None
         self.observed_growth_blocks = 0
+        self.blocks_per_key = 1
+        self._holders: dict[bytes, int] = {}
+        self._filled: dict[bytes, int] = {}
 
     # ---- reservations --------------------------------------------------------------
 
-    def reserve(self, blocks: int, worst_case_blocks: int | None = None) -> Reservation:
+    def reserve(self, blocks: int, worst_case_blocks: int | None = None,
+                keys: tuple[bytes, ...] = ()) -> Reservation:
         if blocks < 0:
             raise LedgerError("cannot reserve negative blocks")
+        if len(set(keys)) != len(keys):
+            raise LedgerError("a reservation holds each shared block once")
         worst = blocks if worst_case_blocks is None else max(blocks, worst_case_blocks)
-        reservation = Reservation(self, next(self._keys), blocks, worst)
+        reservation = Reservation(self, next(self._keys), blocks, worst, keys)
         self._held[reservation.key] = reservation
         self._reserved += blocks
         self._overcommit += worst - blocks
+        for key in keys:
+            self._holders[key] = self._holders.get(key, 0) + 1
         return reservation
 
     def _settle(self, reservation: Reservation) -> None:
@@ -100,6 +133,26 @@ class Ledger:
             raise LedgerError(f"{reservation!r} is not held by this ledger")
         self._reserved -= reservation.blocks
         self._overcommit -= reservation.worst_case_blocks - reservation.blocks
+        for key in reservation.keys:
+            left = self._holders[key] - 1
+            if left < 0:
+                raise LedgerError("a shared block was released more often than held")
+            if left:
+                self._holders[key] = left
+            else:
+                del self._holders[key]
+            if reservation.filled:
+                filled = self._filled[key] - 1
+                if filled:
+                    self._filled[key] = filled
+                else:
+                    del self._filled[key]
+
+    def _fill(self, reservation: Reservation) -> None:
+        if self._held.get(reservation.key) is not reservation:
+            raise LedgerError(f"{reservation!r} is not held by this ledger")
+        for key in reservation.keys:
+            self._filled[key] = self._filled.get(key, 0) + 1
 
     def _adjust(self, reservation: Reservation, blocks: int) -> None:
         if self._held.get(reservation.key) is not reservation:
@@ -124,9 +177,26 @@ class Ledger:
 
     # ---- questions -----------------------------------------------------------------
 
+    def holders(self, key: bytes) -> int:
+        """Admitted requests holding this prompt block."""
+        return self._holders.get(key, 0)
+
+    def filled(self, key: bytes) -> bool:
+        """True when a holder of this block has filled it on the server."""
+        return key in self._filled
+
+    @property
+    def shared_blocks(self) -> int:
+        """Distinct shared prompt blocks held, in blocks."""
+        return len(self._holders) * self.blocks_per_key
+
+    @property
+    def shared_keys(self) -> int:
+        return len(self._holders)
+
     @property
     def reserved_blocks(self) -> int:
-        return self._reserved
+        return self._reserved + self.shared_blocks
 
     @property
     def overcommit_blocks(self) -> int:
@@ -143,9 +213,10 @@ class Ledger:
 
     @property
     def effective_used_blocks(self) -> int:
+        reserved = self.reserved_blocks
         if self.observed_used_blocks is None:
-            return self._reserved
-        return max(self._reserved, self.observed_used_blocks + self.observed_growth_blocks)
+            return reserved
+        return max(reserved, self.observed_used_blocks + self.observed_growth_blocks)
 
     @property
     def headroom_blocks(self) -> int:
@@ -161,10 +232,11 @@ class Ledger:
         return LedgerSnapshot(
             capacity_blocks=self.capacity_blocks,
             target_blocks=self.target_blocks,
-            reserved_blocks=self._reserved,
+            reserved_blocks=self.reserved_blocks,
             observed_used_blocks=self.observed_used_blocks,
             effective_used_blocks=self.effective_used_blocks,
             headroom_blocks=self.headroom_blocks,
             reservations=len(self._held),
             overcommit_blocks=self._overcommit,
+            shared_blocks=self.shared_blocks,
         )

@@ -56,6 +56,10 @@ class KVGroup:
     def budgeted_blocks(self, max_model_len: int, in_flight_tokens: int) -> int:
         return self.spec.budgeted_blocks(max_model_len, self.block_size, in_flight_tokens)
 
+    def blocks_in_step(self, computed_tokens: int, new_tokens: int, settled_tokens: int) -> int:
+        return self.spec.blocks_in_step(computed_tokens, new_tokens, settled_tokens,
+                                        self.block_size)
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -74,6 +78,31 @@ class KVLayout:
 
     def blocks_budgeted_per_request(self, max_model_len: int, in_flight_tokens: int) -> int:
         return sum(group.budgeted_blocks(max_model_len, in_flight_tokens) for group in self.groups)
+
+    def blocks_in_step(self, computed_tokens: int, new_tokens: int, settled_tokens: int) -> int:
+        """Blocks one sequence holds across all groups during one engine step."""
+        return sum(group.blocks_in_step(computed_tokens, new_tokens, settled_tokens)
+                   for group in self.groups)
+
+    @property
+    def recycles_blocks(self) -> bool:
+        return any(group.spec.recycles_blocks for group in self.groups)
+
+    @property
+    def prefix_groups(self) -> int:
+        """Groups whose prompt blocks requests with a common prefix share: a shared
+        prompt block saves one block in each of them."""
+        return sum(1 for group in self.groups if group.spec.prefix_shareable)
+
+    @property
+    def prefix_block_size(self) -> int | None:
+        """Tokens per shared block, when every shareable group agrees on it."""
+        sizes = {group.block_size for group in self.groups if group.spec.prefix_shareable}
+        return sizes.pop() if len(sizes) == 1 else None
+
+    @property
+    def largest_block_size(self) -> int:
+        return max((group.block_size for group in self.groups), default=1)
 
     def describe(self) -> list[str]:
         return [

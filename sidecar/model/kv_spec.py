@@ -52,6 +52,26 @@ class KVSpec(ABC):
     def slot_class(self) -> Hashable:
         """Layers with equal slot classes need the same blocks per request."""
 
+    def blocks_in_step(
+        self, computed_tokens: int, new_tokens: int, settled_tokens: int, block_size: int
+    ) -> int:
+        """Blocks one sequence really holds while a step computes `new_tokens` tokens
+        after `computed_tokens`, of which `settled_tokens` are processed (vLLM frees
+        out-of-window blocks on the processed-token basis). Grows with the sequence
+        unless the layer kind recycles blocks."""
+        return self.blocks_held(computed_tokens + new_tokens, block_size, 0)
+
+    @property
+    def recycles_blocks(self) -> bool:
+        """True when blocks are freed while the request runs (sliding windows)."""
+        return False
+
+    @property
+    def prefix_shareable(self) -> bool:
+        """True when vLLM shares this layer's prompt blocks between requests with a
+        common prefix for the whole of their lives (full-length attention caches)."""
+        return False
+
     def budgeted_blocks(self, max_model_len: int, block_size: int, in_flight_tokens: int) -> int:
         """Blocks vLLM budgets per request at start-up (max_memory_usage_bytes / page).
 
@@ -100,6 +120,10 @@ class FullAttentionKV(KVSpec):
     def slot_class(self) -> Hashable:
         return "full"
 
+    @property
+    def prefix_shareable(self) -> bool:
+        return True
+
 
 @dataclass(frozen=True)
 class SlidingWindowKV(FullAttentionKV):
@@ -132,6 +156,25 @@ class SlidingWindowKV(FullAttentionKV):
 
     def budgeted_blocks(self, max_model_len: int, block_size: int, in_flight_tokens: int) -> int:
         return self.window_cap_blocks(max_model_len, block_size, in_flight_tokens)
+
+    def blocks_in_step(
+        self, computed_tokens: int, new_tokens: int, settled_tokens: int, block_size: int
+    ) -> int:
+        """The blocks from the first one the window of the next token still reads to
+        the last one this step writes. Worked example: block 32, window 256, a
+        750-token request decoding at 600 computed tokens with 599 settled: tokens
+        before 599 - 255 = 344 are skipped, so blocks 0-9 (344 // 32 = 10) are freed
+        and blocks 10-18 (cdiv(601, 32) = 19) are held: 9 blocks."""
+        skipped_blocks = max(0, settled_tokens - self.window + 1) // block_size
+        return max(0, cdiv(computed_tokens + new_tokens, block_size) - skipped_blocks)
+
+    @property
+    def recycles_blocks(self) -> bool:
+        return True
+
+    @property
+    def prefix_shareable(self) -> bool:
+        return False
 
     @property
     def slot_class(self) -> Hashable:
@@ -178,6 +221,10 @@ class MlaKV(KVSpec):
     def slot_class(self) -> Hashable:
         return "full"
 
+    @property
+    def prefix_shareable(self) -> bool:
+        return True
+
 
 @dataclass(frozen=True)
 class IndexerKV(KVSpec):
@@ -209,6 +256,10 @@ class IndexerKV(KVSpec):
     @property
     def slot_class(self) -> Hashable:
         return "full"
+
+    @property
+    def prefix_shareable(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True)
@@ -323,6 +374,20 @@ class PaddedKV(KVSpec):
     def budgeted_blocks(self, max_model_len: int, block_size: int, in_flight_tokens: int) -> int:
         return self.inner.budgeted_blocks(max_model_len, block_size, in_flight_tokens)
 
+    def blocks_in_step(
+        self, computed_tokens: int, new_tokens: int, settled_tokens: int, block_size: int
+    ) -> int:
+        return self.inner.blocks_in_step(computed_tokens, new_tokens, settled_tokens,
+                                         block_size)
+
+    @property
+    def recycles_blocks(self) -> bool:
+        return self.inner.recycles_blocks
+
+    @property
+    def prefix_shareable(self) -> bool:
+        return self.inner.prefix_shareable
+
     @property
     def slot_class(self) -> Hashable:
         return self.inner.slot_class
@@ -358,6 +423,20 @@ class CompositeKV(KVSpec):
             part.budgeted_blocks(max_model_len, block_size, in_flight_tokens)
             for part in self.parts
         )
+
+    def blocks_in_step(
+        self, computed_tokens: int, new_tokens: int, settled_tokens: int, block_size: int
+    ) -> int:
+        return max(part.blocks_in_step(computed_tokens, new_tokens, settled_tokens, block_size)
+                   for part in self.parts)
+
+    @property
+    def recycles_blocks(self) -> bool:
+        return any(part.recycles_blocks for part in self.parts)
+
+    @property
+    def prefix_shareable(self) -> bool:
+        return all(part.prefix_shareable for part in self.parts)
 
     @property
     def slot_class(self) -> Hashable:

@@ -17,6 +17,7 @@ from sidecar.model.errors import DeploymentError
 from sidecar.model.gpu import Gpu
 from sidecar.model.kv_spec import KVSpec
 from sidecar.model.latency import DEFAULT_EFFICIENCY, Efficiency, PhaseCost, Roofline
+from sidecar.model.lifecycle import KVLifecycle
 from sidecar.model.memory_budget import MemoryBudget, activation_peak_bytes, non_torch_bytes
 from sidecar.model.precision import kv_element_bytes, served_dtype
 from sidecar.model.quantization import WeightPrecision, weight_precision
@@ -177,6 +178,12 @@ class ServedModel:
         """Per GPU: one sequence of `tokens` tokens, windows and compression applied,
         not block-rounded."""
         return sum(spec.sequence_bytes(tokens) for spec in self.kv_specs)
+
+    @cached_property
+    def lifecycle(self) -> KVLifecycle:
+        """Blocks a request holds step by step (one step in flight, as vLLM's
+        asynchronous scheduling keeps it; an upper bound without it)."""
+        return KVLifecycle(self.layout, self.max_num_batched_tokens, in_flight_steps=1)
 
     def blocks_for_request(self, tokens: int) -> int:
         """Blocks of the shared pool one sequence of `tokens` tokens holds at its peak."""

@@ -63,6 +63,7 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
         "sequence_tokens": plan.sequence_tokens,
         "kv_bytes_per_sequence": round(served.kv_bytes_per_sequence(plan.sequence_tokens)),
         "kv_layout": served.layout.describe(),
+        "request_kv_blocks": request_blocks(served, plan.prompt_tokens, plan.output_tokens),
         "kv_budget_bytes": kv_budget,
         "kv_budget_source": "given" if served.deployment.available_kv_bytes else (
             "estimated" if budget else None),
@@ -110,3 +111,15 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
     return result
 
 
+
+
+def request_blocks(served: ServedModel, prompt_tokens: int, output_tokens: int) -> dict[str, int]:
+    """The blocks one request of this shape holds over its life (`model.lifecycle`)."""
+    lifecycle = served.lifecycle
+    return {
+        "peak": lifecycle.peak_blocks(prompt_tokens, output_tokens),
+        "prefill": lifecycle.blocks_now(prompt_tokens, 0),
+        "decoding": lifecycle.peak_blocks(prompt_tokens, output_tokens, 2)
+        if output_tokens > 2 else lifecycle.blocks_now(prompt_tokens, max(1, output_tokens - 1)),
+        "final": lifecycle.blocks_now(prompt_tokens, max(1, output_tokens - 1)),
+    }

@@ -49,6 +49,7 @@ class GenerationRequest:
     user: str | None
     tokenize_payloads: tuple[dict[str, Any], ...]
     token_counts: tuple[int, ...] = ()  # prompts given as token ids need no tokenizer
+    token_ids: tuple[int, ...] | None = None  # a single prompt given as token ids
     estimate_text: tuple[str, ...] = field(default=(), repr=False)
     message_count: int = 0
 
@@ -227,6 +228,8 @@ def _completions(body: Mapping[str, Any], model: str | None, user: str | None,
         route="completions", model=model, stream=stream, max_tokens=max_tokens,
         sequences=_sequences(body), prompts=len(texts) + len(counts), user=user,
         tokenize_payloads=payloads, token_counts=tuple(counts),
+        token_ids=tuple(prompt) if counts and not texts and isinstance(prompt, list)
+        and prompt and _is_int(prompt[0]) else None,
         estimate_text=tuple(texts), message_count=0,
     )
 

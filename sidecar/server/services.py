@@ -14,7 +14,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +29,9 @@ from sidecar.admission import (
     ServerState,
     Ticket,
 )
+from sidecar.admission.prefix import EventCache
 from sidecar.calibration import CalibrationStore, Calibrator
-from sidecar.metrics import SidecarMetrics, StateView
+from sidecar.metrics import PrefixView, SidecarMetrics, StateView
 from sidecar.model import (
     Deployment,
     Gpu,
@@ -50,6 +51,13 @@ from sidecar.upstream import (
     UpstreamClient,
     UpstreamView,
     UpstreamWatcher,
+)
+from sidecar.upstream.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventSubscriber,
 )
 
 log = logging.getLogger("kvgate")
@@ -124,6 +132,69 @@ class Services:
         self.idle.set()
         self._typical_tokens: float | None = None
         self._calibration_applied_at = -math.inf
+        self.kv_events: KVEventSubscriber | None = None
+        self.event_cache: EventCache | None = None
+        self._events_started_s = self.clock()
+
+    # ---- the server's KV cache events ---------------------------------------------
+
+    async def start_kv_events(self) -> None:
+        """Subscribe to the server's KV cache events (--kv-events-endpoint)."""
+        endpoint = self.settings.kv_events_endpoint
+        if endpoint is None or self.kv_events is not None:
+            return
+        self.kv_events = KVEventSubscriber(endpoint, self._on_kv_events, self._on_kv_gap)
+        self._events_started_s = self.clock()
+        await self.kv_events.start()
+        log.info("subscribed to the server's KV cache events at %s", endpoint)
+
+    async def stop_kv_events(self) -> None:
+        if self.kv_events is not None:
+            await self.kv_events.close()
+
+    def _on_kv_events(self, events: Sequence[KVEvent]) -> None:
+        cache = self.event_cache
+        if cache is None:
+            return
+        for event in events:
+            if isinstance(event, BlockStored):
+                if event.medium not in (None, "GPU"):
+                    continue  # an offloaded copy: the server's device pool is what counts
+                cache.stored(event.block_hashes, event.parent_block_hash, event.token_ids,
+                             event.block_size, event.group_idx,
+                             salted=event.lora_id is not None or event.extra_keys is not None)
+            elif isinstance(event, BlockRemoved):
+                if event.medium in (None, "GPU"):
+                    cache.removed(event.block_hashes, event.group_idx)
+            elif isinstance(event, AllBlocksCleared):
+                cache.cleared()
+        self._update_prefix_source()
+
+    def _on_kv_gap(self) -> None:
+        """Events were missed (or the server restarted): what it has cached is unknown."""
+        if self.event_cache is not None:
+            self.event_cache.cleared()
+
+    def events_stale(self) -> bool:
+        """The server prefilled requests kvgate sent and told nothing about them."""
+        subscriber, controller = self.kv_events, self.controller
+        if subscriber is None or controller is None:
+            return False
+        prefilled = controller.last_prefill_s
+        if prefilled is None:
+            return False
+        last_event = subscriber.last_event_s
+        if last_event is None:
+            last_event = self._events_started_s
+        return prefilled > last_event and self.clock() - prefilled > (
+            self.settings.kv_events_stale_s)
+
+    def _update_prefix_source(self) -> None:
+        controller = self.controller
+        if controller is None:
+            return
+        fresh = self.event_cache is not None and not self.events_stale()
+        controller.use_events(self.event_cache if fresh else None)
 
     # ---- wiring -----------------------------------------------------------------
 
@@ -166,6 +237,8 @@ class Services:
             if learned is not None and learned != self.learned:
                 self._rebuild(learned)
         if self.controller is not None:
+            self.controller.set_prefix_caching(self._prefix_caching(after))
+            self._update_prefix_source()
             self.controller.update_server(self._server_state(after))
         if self.calibrator is not None and self.served is not None:
             if after.restarts > before.restarts:
@@ -177,6 +250,13 @@ class Services:
             self.calibrator.observe_server(before, after, self.served, slowdown,
                                            sidecar_traffic=own)
             self.apply_calibration()
+
+    def _prefix_caching(self, view: UpstreamView) -> bool:
+        setting = self.settings.prefix_caching
+        if setting != "auto":
+            return setting == "on"
+        reported = view.metrics.cache.enable_prefix_caching if view.metrics else None
+        return True if reported is None else reported
 
     def _learned(self, model: ModelInfo, view: UpstreamView) -> LearnedServer | None:
         """What the server says about itself; without its /metrics, the KV block count is
@@ -253,6 +333,13 @@ class Services:
             )
         else:
             self.controller.set_cost_model(cost_model)
+        block_size = served.layout.prefix_block_size
+        if self.kv_events is not None and block_size is not None and (
+            self.event_cache is None or self.event_cache.block_size != block_size
+        ):
+            blocks = learned.num_blocks or 1 << 18
+            self.event_cache = EventCache(block_size, max_blocks=4 * blocks)
+        self._update_prefix_source()
         self.metrics.set_model(learned.model_id)
 
     def apply_calibration(self, *, force: bool = False) -> None:
@@ -289,6 +376,7 @@ class Services:
     def refresh(self) -> None:
         """Re-evaluate staleness between scrapes (called before decisions that matter)."""
         if self.watcher is not None and self.controller is not None:
+            self._update_prefix_source()
             self.controller.update_server(self._server_state(self.watcher.view))
 
     # ---- observations ----------------------------------------------------------------
@@ -378,6 +466,30 @@ class Services:
             upstream_up=bool(view and view.up),
             upstream_metrics_age_s=view.metrics_age_s(now) if view else math.inf,
             server_waiting=metrics.waiting if metrics else None,
+            prefix=self.prefix_view(view),
+        )
+
+    def prefix_view(self, view: UpstreamView | None) -> PrefixView | None:
+        controller = self.controller
+        if controller is None:
+            return None
+        metrics = view.metrics if view is not None else None
+        prefix = controller.prefix
+        subscriber = self.kv_events
+        last_event = subscriber.last_event_s if subscriber else None
+        return PrefixView(
+            source=controller.prefix_source,
+            server_prefix_caching=metrics.cache.enable_prefix_caching if metrics else None,
+            held_blocks=controller.ledger.shared_blocks,
+            saved_blocks=sum(t.cost.shared_blocks for t in controller.tickets()),
+            query_tokens=prefix.query_tokens if prefix else 0,
+            predicted_hit_tokens=prefix.hit_tokens if prefix else 0,
+            server_query_tokens=metrics.prefix_cache_queries_total if metrics else None,
+            server_hit_tokens=metrics.prefix_cache_hits_total if metrics else None,
+            events_configured=subscriber is not None,
+            events_age_s=None if last_event is None else self.clock() - last_event,
+            events_stale=self.events_stale(),
+            events_gaps=subscriber.gaps if subscriber else 0,
         )
 
     def recommended_concurrency(self) -> int | None:

@@ -34,6 +34,14 @@ class ModelInfo:
     max_model_len: int | None
 
 
+@dataclass(frozen=True)
+class Tokenized:
+    """A prompt as the server tokenizes it: its count, and its ids when returned."""
+
+    count: int
+    token_ids: tuple[int, ...] | None
+
+
 class UpstreamClient:
     def __init__(
         self,
@@ -101,10 +109,23 @@ class UpstreamClient:
         except ValueError as exc:
             raise UpstreamError("protocol", f"GET /metrics: {exc}") from exc
 
-    async def tokenize(self, payload: Mapping[str, Any]) -> int:
-        """Token count the server will see for a prompt or chat messages."""
+    async def tokenize(self, payload: Mapping[str, Any]) -> Tokenized:
+        """The token ids the server will see for a prompt or chat messages."""
         data = await self._json("POST", "/tokenize", payload)
         count = data.get("count") if isinstance(data, dict) else None
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise UpstreamError("protocol", "POST /tokenize: no 'count'")
-        return count
+        tokens = data.get("tokens")
+        if not (isinstance(tokens, list) and len(tokens) == count
+                and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
+            return Tokenized(count, None)
+        return Tokenized(count, tuple(tokens))
+
+    async def version(self) -> str | None:
+        """The server's version (vLLM's GET /version), or None if it does not say."""
+        try:
+            data = await self._json("GET", "/version")
+        except UpstreamError:
+            return None
+        version = data.get("version") if isinstance(data, dict) else None
+        return version if isinstance(version, str) else None

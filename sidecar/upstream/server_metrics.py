@@ -54,6 +54,8 @@ class ServerMetrics:
     preemptions_total: float | None = None
     prompt_tokens_total: float | None = None
     generation_tokens_total: float | None = None
+    prefix_cache_queries_total: float | None = None  # prompt tokens looked up
+    prefix_cache_hits_total: float | None = None  # of which found in the prefix cache
     cache: CacheConfig = field(default_factory=CacheConfig)
     histograms: dict[str, HistogramTotals] = field(default_factory=dict)
 
@@ -76,6 +78,8 @@ COUNTERS = {
     "preemptions_total": ("vllm:num_preemptions",),
     "prompt_tokens_total": ("vllm:prompt_tokens",),
     "generation_tokens_total": ("vllm:generation_tokens",),
+    "prefix_cache_queries_total": ("vllm:prefix_cache_queries", "vllm:gpu_prefix_cache_queries"),
+    "prefix_cache_hits_total": ("vllm:prefix_cache_hits", "vllm:gpu_prefix_cache_hits"),
 }
 HISTOGRAMS = {
     "ttft": ("vllm:time_to_first_token_seconds",),
@@ -170,6 +174,8 @@ def parse_server_metrics(text: str) -> ServerMetrics:
         preemptions_total=values["preemptions_total"],
         prompt_tokens_total=values["prompt_tokens_total"],
         generation_tokens_total=values["generation_tokens_total"],
+        prefix_cache_queries_total=values["prefix_cache_queries_total"],
+        prefix_cache_hits_total=values["prefix_cache_hits_total"],
         cache=cache,
         histograms=histograms,
     )

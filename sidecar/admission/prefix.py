@@ -1,0 +1,273 @@
+"""Prefix caching as vLLM does it: which prompt blocks a request shares with the
+requests already admitted, and which the server has cached.
+
+vLLM cuts each prompt into full blocks and keys each block by its parent's key and
+its own token ids (plus the LoRA adapter, a `cache_salt`, multimodal inputs: where
+kvgate cannot know what vLLM adds, the request gets no keys and shares nothing).
+A new request reuses the longest run of leading blocks the server has cached, up
+to its prompt less one token (the last prompt token is always computed).
+
+What this module decides, for the admission core (no I/O):
+
+- `block_keys`: kvgate's own chain of keys for a prompt's token ids. They are not
+  vLLM's hashes (vLLM seeds its hashes at random per process); the server's events
+  are mapped onto them by their token ids (`EventCache`).
+- Which blocks the server has cached (`ServerCache`): from vLLM's KV cache events
+  when they flow (`EventCache`), else from a model of the server's cache fed by
+  kvgate's own traffic (`TrafficCache`).
+- `PrefixIndex.plan`: for one request, the leading prompt blocks it will really
+  share with admitted requests (held by one, and either cached on the server or
+  already filled by its holder: a request scheduled while another still prefills the
+  same prefix allocates its own copy), the blocks it will hold a reference on, and
+  the prompt tokens the server will not prefill again.
+
+Sharing saves blocks only in the KV cache groups that keep a request's prompt blocks
+for its whole life (full attention, MLA); sliding-window and state groups are
+charged per request.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+ROOT_KEY = b"kvgate-prefix-root"
+_KEY_BYTES = 16
+
+
+def block_keys(token_ids: Sequence[int], block_size: int, salt: bytes = b"") -> tuple[bytes, ...]:
+    """One key per full block of `token_ids`, each chained on its parent's key."""
+    if block_size < 1:
+        raise ValueError("block size must be >= 1")
+    keys: list[bytes] = []
+    parent = salt or ROOT_KEY
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_key(parent, token_ids[start:start + block_size])
+        keys.append(parent)
+    return tuple(keys)
+
+
+def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
+    data = array("q", tokens).tobytes()
+    return hashlib.blake2b(parent + data, digest_size=_KEY_BYTES).digest()
+
+
+class ServerCache(Protocol):
+    """Which prompt blocks the server holds in its prefix cache (running or free)."""
+
+    @property
+    def source(self) -> str: ...
+
+    def cached(self, key: bytes) -> bool: ...
+
+
+class EventCache:
+    """The server's cache as its KV cache events describe it.
+
+    vLLM's `BlockStored` events carry the blocks' token ids and the parent's hash;
+    each block is mapped to kvgate's key of the same tokens under the parent's key.
+    A block whose parent is unknown (events missed) cannot be keyed and is ignored
+    until the server stores it again. A block counts as cached when every KV cache
+    group that reported events holds it. Size is bounded by `max_blocks` (oldest
+    first out), in case removals were missed.
+    """
+
+    source = "events"
+
+    def __init__(self, block_size: int, max_blocks: int = 1 << 20) -> None:
+        self.block_size = block_size
+        self.max_blocks = max(1, max_blocks)
+        self._by_hash: OrderedDict[tuple[int, Hashable], bytes] = OrderedDict()
+        self._groups: dict[bytes, set[int]] = {}
+        self._seen_groups: set[int] = set()
+        self.unkeyed_blocks = 0  # stored blocks that could not be keyed
+
+    def cached(self, key: bytes) -> bool:
+        groups = self._groups.get(key)
+        return groups is not None and len(groups) >= len(self._seen_groups)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def stored(
+        self,
+        block_hashes: Sequence[Hashable],
+        parent_hash: Hashable | None,
+        token_ids: Sequence[int],
+        block_size: int,
+        group: int = 0,
+        *,
+        salted: bool = False,
+    ) -> None:
+        """Blocks the server registered for reuse. Salted blocks (LoRA, cache salt,
+        multimodal) are never shared with kvgate's keys and are skipped."""
+        self._seen_groups.add(group)
+        if salted or block_size != self.block_size or len(token_ids) < (
+            len(block_hashes) * block_size
+        ):
+            self.unkeyed_blocks += len(block_hashes)
+            return
+        if parent_hash is None:
+            parent = ROOT_KEY
+        else:
+            found = self._by_hash.get((group, parent_hash))
+            if found is None:
+                self.unkeyed_blocks += len(block_hashes)
+                return
+            parent = found
+        for index, block_hash in enumerate(block_hashes):
+            parent = chain_key(parent, token_ids[index * block_size:(index + 1) * block_size])
+            self._by_hash[(group, block_hash)] = parent
+            self._by_hash.move_to_end((group, block_hash))
+            self._groups.setdefault(parent, set()).add(group)
+        while len(self._by_hash) > self.max_blocks:
+            (old_group, _), old_key = self._by_hash.popitem(last=False)
+            self._drop(old_key, old_group)
+
+    def removed(self, block_hashes: Iterable[Hashable], group: int = 0) -> None:
+        for block_hash in block_hashes:
+            key = self._by_hash.pop((group, block_hash), None)
+            if key is not None:
+                self._drop(key, group)
+
+    def cleared(self) -> None:
+        """The server dropped its whole cache, or events were missed: forget it all."""
+        self._by_hash.clear()
+        self._groups.clear()
+        self._seen_groups.clear()
+
+    def _drop(self, key: bytes, group: int) -> None:
+        groups = self._groups.get(key)
+        if groups is None:
+            return
+        groups.discard(group)
+        if not groups:
+            del self._groups[key]
+
+
+class TrafficCache:
+    """A model of the server's prefix cache fed by kvgate's own traffic, for a
+    server without KV cache events.
+
+    A block enters when a request holding it has been prefilled. When its last
+    holder finishes it stays cached at the tail of vLLM's free queue, and is evicted
+    once as many blocks have been allocated as were free ahead of it then.
+    """
+
+    source = "traffic"
+
+    def __init__(self, max_blocks: int = 1 << 20) -> None:
+        self.max_blocks = max(1, max_blocks)
+        self._allocated = 0  # blocks allocated so far (a clock in blocks)
+        # key -> allocation count at which it is evicted (None: held, not evictable)
+        self._entries: OrderedDict[bytes, int | None] = OrderedDict()
+
+    def cached(self, key: bytes) -> bool:
+        if key not in self._entries:
+            return False
+        evicted_at = self._entries[key]
+        if evicted_at is not None and self._allocated >= evicted_at:
+            del self._entries[key]
+            return False
+        return True
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def filled(self, keys: Iterable[bytes]) -> None:
+        """A holder of these blocks has been prefilled: they are on the server."""
+        for key in keys:
+            self._entries[key] = None
+            self._entries.move_to_end(key)
+        while len(self._entries) > self.max_blocks:
+            self._entries.popitem(last=False)
+
+    def freed(self, keys: Iterable[bytes], free_blocks: int) -> None:
+        """The last holder of these blocks finished; `free_blocks` were free before."""
+        evict_at = self._allocated + max(0, free_blocks)
+        for key in keys:
+            if key in self._entries:
+                self._entries[key] = evict_at
+
+    def allocated(self, blocks: int) -> None:
+        self._allocated += max(0, blocks)
+
+    def cleared(self) -> None:
+        self._entries.clear()
+
+
+@dataclass(frozen=True)
+class PrefixPlan:
+    """How one request's prompt blocks relate to the admitted requests' and the
+    server's: `shared` leading blocks held by admitted requests and really shared
+    (free for this request), `keys` the blocks it will hold a reference on (shared
+    ones and those no admitted request holds yet), `private` blocks it must
+    allocate a copy of (another holder has not filled them yet), and
+    `cached_tokens` of its prompt the server will not prefill."""
+
+    shared: int
+    keys: tuple[bytes, ...]
+    private: int
+    cached_tokens: int
+
+    @staticmethod
+    def none() -> PrefixPlan:
+        return PrefixPlan(0, (), 0, 0)
+
+
+class HeldBlocks(Protocol):
+    def holders(self, key: bytes) -> int: ...
+
+    def filled(self, key: bytes) -> bool: ...
+
+
+class PrefixIndex:
+    """Plans prompt-block sharing against the ledger's holders and the server's cache."""
+
+    def __init__(self, block_size: int, server: ServerCache) -> None:
+        self.block_size = block_size
+        self.server = server
+        self._requests = itertools.count()
+        self.query_tokens = 0  # prompt tokens planned, for the hit ratio
+        self.hit_tokens = 0  # of which predicted prefix hits
+
+    def plan(self, keys: Sequence[bytes], prompt_tokens: int, held: HeldBlocks) -> PrefixPlan:
+        if not keys:
+            return PrefixPlan.none()
+        # vLLM always computes the last prompt token: hits stop one token short.
+        max_hits = max(0, (prompt_tokens - 1) // self.block_size)
+        shared = 0
+        cached = 0
+        leading = True
+        cached_run = True
+        refs: list[bytes] = []
+        private = 0
+        for index, key in enumerate(keys):
+            holders = held.holders(key)
+            on_server = self.server.cached(key)
+            hit = index < max_hits
+            filled = holders > 0 and (on_server or held.filled(key))
+            if cached_run and hit and (on_server or filled):
+                cached += 1
+            else:
+                cached_run = False
+            if leading and hit and filled:
+                shared += 1
+                refs.append(key)
+                continue
+            leading = False
+            if holders > 0:
+                private += 1  # another holder's copy is not reusable: allocate ours
+            else:
+                refs.append(key)
+        return PrefixPlan(shared, tuple(refs), private, cached * self.block_size)
+
+    def count(self, plan: PrefixPlan, prompt_tokens: int) -> None:
+        """Record a planned request for the predicted hit ratio."""
+        self.query_tokens += prompt_tokens
+        self.hit_tokens += plan.cached_tokens

@@ -1,0 +1,51 @@
+"""Which prompt blocks of a request vLLM may share with other requests.
+
+vLLM keys a prompt block by its tokens and its parent block, plus what it adds to
+the key: the LoRA adapter, a `cache_salt` and multimodal inputs. kvgate keys the
+blocks itself (`AdmissionController.prompt_keys`) where it knows what vLLM adds:
+- a `cache_salt` salts the chain, so only requests with the same salt share;
+- a request for another model name than the served one (a LoRA adapter) or with
+  image, audio or video parts shares nothing, as far as kvgate assumes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from sidecar.admission import AdmissionController
+from sidecar.server.requests import GenerationRequest
+
+_MEDIA_PARTS = frozenset({"image_url", "input_image", "image", "audio_url", "input_audio",
+                          "audio", "video_url", "video", "file", "input_file"})
+
+
+def prompt_keys(
+    controller: AdmissionController,
+    body: Mapping[str, Any],
+    gen: GenerationRequest,
+    token_ids: tuple[int, ...] | None,
+    served_model: str | None = None,
+) -> tuple[bytes, ...]:
+    if token_ids is None or gen.prompts != 1 or _has_media(body):
+        return ()
+    if served_model is not None and gen.model not in (None, served_model):
+        return ()  # a LoRA adapter: vLLM adds it to every block's key
+    salt = body.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        return ()
+    return controller.prompt_keys(token_ids, b"cache_salt:" + salt.encode() if salt else b"")
+
+
+def _has_media(body: Mapping[str, Any]) -> bool:
+    for name in ("messages", "input"):
+        items = body.get(name)
+        if not isinstance(items, list):
+            continue
+        for item in items:
+            content = item.get("content") if isinstance(item, dict) else None
+            if isinstance(content, list) and any(
+                isinstance(part, dict) and part.get("type") in _MEDIA_PARTS for part in content
+            ):
+                return True
+    return False

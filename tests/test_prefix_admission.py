@@ -1,0 +1,212 @@
+"""Prefix-aware admission: shared prompt blocks, the server's cache, shrinking
+reservations. The admission core alone (no server)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from sidecar.admission import AdmissionController, AdmissionRequest, Ticket
+from sidecar.admission.prefix import EventCache, TrafficCache, block_keys
+from sidecar.model.units import cdiv
+
+from support.admission_fixtures import FakeClock, controller, tiny_served
+
+BLOCK = 16
+PREFIX = list(range(1000, 1000 + 20 * BLOCK))  # 20 full blocks
+
+
+def prompt(tail_id: int, tail: int = 40) -> list[int]:
+    return PREFIX + [50_000 + tail_id * 100 + i for i in range(tail)]
+
+
+def request(ctl: AdmissionController, tokens: list[int], output: int = 64,
+            **extra: Any) -> AdmissionRequest:
+    return AdmissionRequest(len(tokens), output, block_keys=ctl.prompt_keys(tokens), **extra)
+
+
+def admit(ctl: AdmissionController, req: AdmissionRequest) -> Ticket:
+    return asyncio.run(ctl.admit(req))
+
+
+def test_block_keys_chain_full_blocks_and_a_salt_separates_them() -> None:
+    keys = block_keys(prompt(1), BLOCK)
+    assert len(keys) == (20 * BLOCK + 40) // BLOCK == 22
+    other = block_keys(prompt(2), BLOCK)
+    assert keys[:20] == other[:20] and keys[20] != other[20]
+    # A block is keyed by everything before it: same tokens, other parent, other key.
+    assert block_keys(PREFIX[BLOCK:2 * BLOCK], BLOCK)[0] != keys[1]
+    assert block_keys(prompt(1), BLOCK, b"cache_salt:a")[:20] != keys[:20]
+    assert block_keys(list(range(BLOCK - 1)), BLOCK) == ()
+
+
+def test_a_second_request_shares_the_prefix_only_once_the_first_has_filled_it() -> None:
+    ctl = controller(num_blocks=256)
+    peak = cdiv(len(prompt(1)) + 64 - 1, BLOCK)  # 24 blocks
+    first = admit(ctl, request(ctl, prompt(1)))
+    assert first.cost.kv_blocks == peak and first.cost.shared_blocks == 0
+    # The first has not been scheduled yet: vLLM would give the second its own copy.
+    second = admit(ctl, request(ctl, prompt(2)))
+    assert second.cost.kv_blocks == peak and second.plan.private == 20
+    assert ctl.ledger.reserved_blocks == 2 * peak
+    first.first_token()  # prefilled: its 20 prefix blocks are on the server now
+    third = admit(ctl, request(ctl, prompt(3)))
+    assert third.cost.shared_blocks == 20 and third.cost.kv_blocks == peak - 20
+    assert third.cost.cached_tokens == 20 * BLOCK
+    assert ctl.ledger.reserved_blocks == 3 * peak - 20
+    # A shared block stays while any holder runs; the ledger returns to zero.
+    first.finish(64)
+    assert ctl.ledger.holders(third.reservation.keys[0]) == 1
+    assert ctl.ledger.reserved_blocks == 2 * peak
+    for ticket in (second, third):
+        ticket.finish(64)
+    assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.shared_keys == 0
+
+
+def test_a_cached_prefix_costs_its_first_holder_and_saves_its_prefill() -> None:
+    ctl = controller(num_blocks=256)
+    warm = admit(ctl, request(ctl, prompt(1)))
+    warm.first_token()
+    warm.finish(64)
+    assert ctl.prefix_source == "traffic"
+    # Cached but free on the server: touching it takes it out of the free pool, so the
+    # next request pays for it, but does not prefill it again.
+    first = admit(ctl, request(ctl, prompt(2)))
+    assert first.cost.shared_blocks == 0 and first.cost.cached_tokens == 20 * BLOCK
+    uncached = ctl.cost_model.cost(len(prompt(2)), 64)
+    assert first.cost.prefill_s < uncached.prefill_s
+    assert first.cost.prefill_flops == uncached.prefill_flops * 40 / 360
+    # It holds the prefix now, and the server has it: the next one shares at once.
+    second = admit(ctl, request(ctl, prompt(3)))
+    assert second.cost.shared_blocks == 20
+
+
+def test_the_last_prompt_token_is_never_a_hit() -> None:
+    ctl = controller(num_blocks=256)
+    tokens = PREFIX  # exactly 20 blocks
+    holder = admit(ctl, request(ctl, tokens))
+    holder.first_token()
+    again = admit(ctl, request(ctl, tokens))
+    # vLLM computes the last prompt token: the 20th block is recomputed, a copy.
+    assert again.cost.shared_blocks == 19 and again.plan.private == 1
+    assert again.cost.cached_tokens == 19 * BLOCK
+
+
+def test_requests_without_keys_or_with_several_sequences_share_nothing() -> None:
+    ctl = controller(num_blocks=256)
+    holder = admit(ctl, request(ctl, prompt(1)))
+    holder.first_token()
+    plain = admit(ctl, AdmissionRequest(len(prompt(2)), 64))
+    assert plain.cost.shared_blocks == 0 and plain.reservation.keys == ()
+    forked = admit(ctl, request(ctl, prompt(3), sequences=2))
+    assert forked.cost.shared_blocks == 0
+
+
+def test_prefix_caching_off_shares_nothing() -> None:
+    ctl = controller(num_blocks=256)
+    ctl.set_prefix_caching(False)
+    assert ctl.prompt_keys(prompt(1)) == () and ctl.prefix_source == "off"
+
+
+def test_a_queued_request_is_charged_what_it_shares_when_it_is_dispatched() -> None:
+    ctl = controller(num_blocks=64)  # 63 usable x 0.95 = 59 blocks
+
+    async def scenario() -> None:
+        first = await ctl.admit(request(ctl, prompt(1), output=400))  # 48 blocks
+        waiting = asyncio.ensure_future(ctl.admit(request(ctl, prompt(2), output=40)))
+        await asyncio.sleep(0)
+        assert not waiting.done() and len(ctl.queue) == 1  # 25 blocks do not fit in 11
+        first.first_token()  # the prefix is filled: the waiting one needs 5 more blocks
+        ticket = await asyncio.wait_for(waiting, 1)
+        assert ticket.cost.shared_blocks == 20 and ticket.cost.kv_blocks == 5
+        assert ticket.cost.cached_tokens == 20 * BLOCK
+        first.finish(400)
+        ticket.finish(40)
+        assert ctl.ledger.reserved_blocks == 0
+
+    asyncio.run(scenario())
+
+
+def test_event_cache_maps_the_servers_blocks_onto_kvgate_keys() -> None:
+    cache = EventCache(BLOCK)
+    keys = block_keys(prompt(1), BLOCK)
+    tokens = prompt(1)
+    cache.stored(["h0", "h1"], None, tokens[:2 * BLOCK], BLOCK)
+    cache.stored(["h2"], "h1", tokens[2 * BLOCK:3 * BLOCK], BLOCK)
+    assert [cache.cached(k) for k in keys[:4]] == [True, True, True, False]
+    # A parent never seen (events missed): the blocks cannot be keyed.
+    cache.stored(["h9"], "unknown", tokens[3 * BLOCK:4 * BLOCK], BLOCK)
+    assert not cache.cached(keys[3]) and cache.unkeyed_blocks == 1
+    # Salted blocks (LoRA, cache_salt, images) never match kvgate's plain keys.
+    cache.stored(["s0"], None, tokens[:BLOCK], BLOCK, salted=True)
+    cache.removed(["h1"])
+    assert cache.cached(keys[0]) and not cache.cached(keys[1])
+    # A hybrid model caches per group: a block counts when every group holds it.
+    cache.stored(["g0"], None, tokens[:BLOCK], BLOCK, group=1)
+    assert cache.cached(keys[0]) and not cache.cached(keys[2])
+    cache.cleared()
+    assert not cache.cached(keys[0]) and len(cache) == 0
+
+
+def test_traffic_cache_evicts_a_freed_block_after_the_free_blocks_ahead_of_it() -> None:
+    cache = TrafficCache()
+    cache.filled([b"a", b"b"])
+    cache.allocated(1000)
+    assert cache.cached(b"a")  # held: never evicted
+    cache.freed([b"a"], free_blocks=30)
+    cache.allocated(29)
+    assert cache.cached(b"a")
+    cache.allocated(1)
+    assert not cache.cached(b"a") and cache.cached(b"b")
+
+
+def test_events_replace_the_traffic_model_and_a_gap_forgets_them() -> None:
+    clock = FakeClock()
+    ctl = controller(num_blocks=256, clock=clock)
+    events = EventCache(BLOCK)
+    ctl.use_events(events)
+    assert ctl.prefix_source == "events"
+    tokens = prompt(1)
+    events.stored([f"h{i}" for i in range(20)], None, tokens[:20 * BLOCK], BLOCK)
+    holder = admit(ctl, request(ctl, prompt(1)))
+    # Stored on the server (scheduled) though no token came yet: really shared.
+    second = admit(ctl, request(ctl, prompt(2)))
+    assert second.cost.shared_blocks == 20
+    events.cleared()
+    third = admit(ctl, request(ctl, prompt(3)))
+    assert third.cost.shared_blocks == 0
+    for ticket in (holder, second, third):
+        ticket.finish(64)
+    ctl.use_events(None)
+    assert ctl.prefix_source == "traffic"
+
+
+def test_a_sliding_window_reservation_shrinks_after_the_prefill() -> None:
+    sliding = {"model_type": "mistral", "hidden_size": 128, "intermediate_size": 256,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+               "head_dim": 32, "sliding_window": 256, "vocab_size": 1024,
+               "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
+    from sidecar.admission import AdmissionSettings, CostModel, ServerState
+
+    ctl = AdmissionController(
+        CostModel(tiny_served(64, block_size=32, config=sliding)), AdmissionSettings(),
+        clock=FakeClock())
+    ctl.update_server(ServerState(available=True))
+
+    async def scenario() -> None:
+        tickets = [await ctl.admit(AdmissionRequest(386, 300)) for _ in range(4)]
+        assert [t.reservation.blocks for t in tickets] == [13] * 4  # the prefill peak
+        waiting = asyncio.ensure_future(ctl.admit(AdmissionRequest(386, 300)))
+        await asyncio.sleep(0)
+        assert not waiting.done()  # 52 + 13 > 59
+        for ticket in tickets:
+            ticket.first_token()
+            ticket.progress(2)
+        assert [t.reservation.blocks for t in tickets] == [9] * 4
+        fifth = await asyncio.wait_for(waiting, 1)
+        assert ctl.ledger.reserved_blocks == 4 * 9 + 13
+        for ticket in [*tickets, fifth]:
+            ticket.finish(300)
+        assert ctl.ledger.reserved_blocks == 0
+
+    asyncio.run(scenario())
