@@ -205,9 +205,11 @@ LAYOUT: list[tuple[Panel, int, int]] = [
         timeseries(
             "Rejections by reason",
             "Requests kvgate did not admit, by outcome (cancelled = the client left while "
-            "queued, not a rejection). never_fits: prompt + max_tokens can never fit; "
-            "queue_full / deadline / queue_timeout: not enough capacity; unavailable / "
-            "draining: upstream down or shutting down.",
+            "queued, not a rejection). never_fits: the prompt leaves no room for output within "
+            "max_model_len, or the request needs more KV blocks than the cache can ever give "
+            "one request (a max_tokens past the context is not refused: vLLM 0.32 serves it up "
+            "to the limit); queue_full / deadline / queue_timeout: not enough capacity; "
+            "unavailable / draining: upstream down or shutting down.",
             [
                 target(
                     f"sum by (outcome) (rate(kvgate_requests_total{{{K}, {NON_ADMITTED}}}[{RI}]))",
@@ -366,6 +368,166 @@ LAYOUT: list[tuple[Panel, int, int]] = [
         ),
         12,
         8,
+    ),
+    (row("Prefix cache"), 24, 1),
+    (
+        timeseries(
+            "Shared prompt blocks: held and saved",
+            "Prefix caching (docs/prefix-caching.md). Held: distinct prompt blocks admitted "
+            "requests hold by reference, each counted once however many requests share it "
+            "(part of reserved). Saved: blocks the running requests share with requests "
+            "admitted before them instead of each reserving a copy. Reserved blocks for scale.",
+            [
+                target(f"kvgate_prefix_held_blocks{{{K}}}", "{{instance}} held"),
+                target(f"kvgate_prefix_shared_blocks{{{K}}}", "{{instance}} saved by sharing"),
+                target(f"kvgate_kv_reserved_blocks{{{K}}}", "{{instance}} reserved"),
+            ],
+        ),
+        12,
+        8,
+    ),
+    (
+        timeseries(
+            "Prefix cache hit ratio: predicted vs server",
+            "Prompt tokens found in the prefix cache over prompt tokens looked up. Predicted: "
+            "kvgate's prediction at admission, for the requests whose prompt blocks it can "
+            "key. vLLM: the server's own vllm:prefix_cache_hits / vllm:prefix_cache_queries "
+            "(vllm:gpu_prefix_cache_* on older servers), over all its traffic; both over the "
+            "rate interval, and since start (kvgate_prefix_cache_hit_ratio). Predicted well "
+            "above the server's: kvgate counts on hits that do not happen (its view of the "
+            "server's cache is off; see the events panels).",
+            [
+                target(
+                    "sum by (instance) "
+                    f"(rate(kvgate_prefix_predicted_hit_tokens_total{{{K}}}[{RI}]))"
+                    f" / sum by (instance) (rate(kvgate_prefix_query_tokens_total{{{K}}}[{RI}]))",
+                    "{{instance}} predicted",
+                ),
+                target(
+                    f"(sum by (instance) (rate(vllm:prefix_cache_hits_total{{{V}}}[{RI}]))"
+                    f" or sum by (instance) (rate(vllm:gpu_prefix_cache_hits_total{{{V}}}[{RI}])))"
+                    f" / (sum by (instance) (rate(vllm:prefix_cache_queries_total{{{V}}}[{RI}]))"
+                    " or sum by (instance) "
+                    f"(rate(vllm:gpu_prefix_cache_queries_total{{{V}}}[{RI}])))",
+                    "{{instance}} vLLM",
+                ),
+                target(
+                    f"kvgate_prefix_cache_hit_ratio{{{K}}}", "{{instance}} {{source}} since start"
+                ),
+            ],
+            unit="percentunit",
+            maximum=1,
+        ),
+        12,
+        8,
+    ),
+    (
+        stat(
+            "Prefix cache source",
+            "Where kvgate's view of the server's prefix cache comes from "
+            "(kvgate_prefix_cache_source): events (the server's KV cache events, "
+            "--kv-events-endpoint), traffic (a model fed by kvgate's own requests: no events "
+            "configured, or they are stale) or off (the server does not share prompt blocks, "
+            "or --prefix-caching off).",
+            [
+                target(
+                    f'sum by (instance) (3 * kvgate_prefix_cache_source{{{K}, source="events"}}'
+                    f' or 2 * kvgate_prefix_cache_source{{{K}, source="traffic"}}'
+                    f' or kvgate_prefix_cache_source{{{K}, source="off"}})',
+                    "{{instance}}",
+                )
+            ],
+            thresholds=[(None, "text"), (2, "blue"), (3, "green")],
+            mappings=[
+                {
+                    "type": "value",
+                    "options": {
+                        "1": {"text": "off", "color": "text", "index": 0},
+                        "2": {"text": "traffic", "color": "blue", "index": 1},
+                        "3": {"text": "events", "color": "green", "index": 2},
+                    },
+                }
+            ],
+        ),
+        5,
+        7,
+    ),
+    (
+        stat(
+            "Server prefix caching",
+            "Whether the vLLM server shares prompt blocks between requests, from its "
+            "vllm:cache_config_info (kvgate_server_prefix_caching; vLLM's default is on).",
+            [target(f"kvgate_server_prefix_caching{{{K}}}", "{{instance}}")],
+            thresholds=[(None, "text"), (1, "green")],
+            mappings=[
+                {
+                    "type": "value",
+                    "options": {
+                        "0": {"text": "OFF", "color": "text", "index": 0},
+                        "1": {"text": "ON", "color": "green", "index": 1},
+                    },
+                }
+            ],
+        ),
+        4,
+        7,
+    ),
+    (
+        stat(
+            "KV events stale",
+            "1 when the server prefilled requests kvgate sent and published no KV cache event "
+            "for them within --kv-events-stale-s (default 5 s): kvgate models the server's "
+            "cache from its own traffic until events flow again. After a request with a short "
+            "output and no traffic since, it reads 1 too (docs/prefix-caching.md). Alert "
+            "KvgateKVEventsStale when it lasts 5 minutes with the server's prefix caching on "
+            "while kvgate sends it requests. No data: --kv-events-endpoint is not set.",
+            [target(f"kvgate_kv_events_stale{{{K}}}", "{{instance}}")],
+            thresholds=[(None, "green"), (1, "red")],
+            mappings=[
+                {
+                    "type": "value",
+                    "options": {
+                        "0": {"text": "fresh", "color": "green", "index": 0},
+                        "1": {"text": "STALE", "color": "red", "index": 1},
+                    },
+                }
+            ],
+        ),
+        4,
+        7,
+    ),
+    (
+        timeseries(
+            "KV events age",
+            "Seconds since the last batch of the server's KV cache events, capped at 1 h for "
+            "display (+Inf, none received yet, shows as 1 h). The server publishes only when "
+            "its cache changes: an idle server's events age without being stale. No data: "
+            "--kv-events-endpoint is not set.",
+            [
+                target(
+                    f"clamp_max(kvgate_kv_events_age_seconds{{{K}}}, 3600)", "{{instance}}"
+                )
+            ],
+            unit="s",
+        ),
+        6,
+        7,
+    ),
+    (
+        timeseries(
+            "KV events gaps",
+            "Gaps in the KV cache events' sequence numbers (missed events, a restarted "
+            "server, a lost connection). Each drops kvgate's view of the server's cache, which "
+            "then refills from new events. No data: --kv-events-endpoint is not set.",
+            [
+                target(
+                    f"sum by (instance) (increase(kvgate_kv_events_gaps_total{{{K}}}[{RI}]))",
+                    "{{instance}}",
+                )
+            ],
+        ),
+        5,
+        7,
     ),
     (row("Predictions"), 24, 1),
     (
@@ -671,8 +833,9 @@ def dashboard() -> dict[str, Any]:
             ]
         },
         "description": "kvgate: KV-cache-aware admission control in front of vLLM. Decisions, "
-        "queue, KV capacity vs reserved vs used vs forecast, predicted vs observed latency, "
-        "and the vLLM server's own metrics. Generated by dashboards/generate.py.",
+        "queue, KV capacity vs reserved vs used vs forecast, prefix cache sharing and its "
+        "source, predicted vs observed latency, and the vLLM server's own metrics. "
+        "Generated by dashboards/generate.py.",
         "editable": True,
         "fiscalYearStartMonth": 0,
         "graphTooltip": 1,

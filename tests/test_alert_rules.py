@@ -32,6 +32,7 @@ REQUIRED_METRICS = {
     "kvgate_queue_wait_seconds_bucket",
     "kvgate_upstream_up",
     "kvgate_upstream_metrics_age_seconds",
+    "kvgate_kv_events_stale",
 }
 
 

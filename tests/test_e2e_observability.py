@@ -30,8 +30,14 @@ def hostport(url: str) -> str:
     return url.removeprefix("http://")
 
 
-def test_dashboard_and_alerts_against_real_prometheus(small_kv_vllm: VllmServer) -> None:
-    with Sidecar(small_kv_vllm.url, "--queue-max-length", "2") as sidecar, PrometheusServer(
+def test_dashboard_and_alerts_against_real_prometheus(
+    small_kv_vllm: VllmServer, tmp_path: Path
+) -> None:
+    # Subscribed to KV cache events nobody publishes: the events panels have data (stale,
+    # never received) without a second server.
+    events = f"ipc://{tmp_path / 'kv-events.sock'}"
+    with Sidecar(small_kv_vllm.url, "--queue-max-length", "2",
+                 "--kv-events-endpoint", events) as sidecar, PrometheusServer(
         free_port(), [hostport(sidecar.url), hostport(small_kv_vllm.url)], rule_files=[RULES]
     ) as prometheus:
         prometheus.wait_for("kvgate_upstream_up", timeout=30)
