@@ -49,6 +49,8 @@ class PrefixView:
     server_query_tokens: float | None  # vllm:prefix_cache_queries_total
     server_hit_tokens: float | None  # vllm:prefix_cache_hits_total
     events_configured: bool
+    events_connected: bool
+    events_decode_errors: int
     events_age_s: float | None  # since the last event batch (None: none yet)
     events_stale: bool
     events_gaps: int
@@ -281,6 +283,15 @@ def _prefix_metrics(
                     "1 when the server prefilled requests but sent no KV cache events for them: "
                     "kvgate falls back to its own model of the server's cache.",
                     float(prefix.events_stale))
+        yield gauge("kvgate_kv_events_connected",
+                    "1 while kvgate's subscription to the server's KV cache events is "
+                    "connected, else 0.", float(prefix.events_connected))
+        errors = CounterMetricFamily(
+            "kvgate_kv_events_decode_errors",
+            "Batches of KV cache events kvgate could not decode (each drops its view of the "
+            "server's cache, as a gap does).")
+        errors.add_metric([], float(prefix.events_decode_errors))
+        yield errors
         gaps = CounterMetricFamily(
             "kvgate_kv_events_gaps",
             "Gaps in the KV cache event sequence (missed events, server restarts): each "

@@ -107,6 +107,9 @@ class AdmissionMachine(RuleBasedStateMachine):
         ticket, _ = self.running[index % len(self.running)]
         ticket.first_token()
         ticket.progress(self.output_limit(ticket, tokens))
+        # A prefilled request shares its prompt blocks, and a past-peak one shrinks:
+        # either can let a waiting request in.
+        self.settle()
 
     def output_limit(self, ticket: Ticket, tokens: int) -> int:
         # The server stops at max_tokens, which the worst-case policy reserves.

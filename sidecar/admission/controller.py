@@ -250,8 +250,10 @@ class AdmissionController:
         self.event_cache: EventCache | None = None
         self.prefix: PrefixIndex | None = None
         self._prefix_caching = True
-        # When a request with full prompt blocks was last prefilled (its first token).
-        self.last_prefill_s: float | None = None
+        # Since when kvgate has been waiting for KV cache events: it admitted a request
+        # whose prompt blocks the server does not hold, and none came since (vLLM
+        # publishes the blocks it stores when it schedules the request). None: no wait.
+        self.expects_events_since_s: float | None = None
         self._configure_prefix()
 
     # ---- prefix caching ---------------------------------------------------------------
@@ -620,6 +622,11 @@ class AdmissionController:
         self.traffic_cache.allocated(cost.kv_blocks)
         if self.prefix is not None and request.block_keys:
             self.prefix.count(plan, request.prompt_tokens)
+            known = self.prefix.server if self.event_cache is None else self.event_cache
+            if self.expects_events_since_s is None and any(
+                not known.cached(key) for key in request.block_keys
+            ):
+                self.expects_events_since_s = now
         ticket = Ticket(self, next(self._keys), request, cost, reservation, now, queue_wait_s,
                         predicted_ttft_s, shadow_outcome, plan)
         self._running[ticket.key] = ticket
@@ -663,7 +670,6 @@ class AdmissionController:
     def _prefilled(self, ticket: Ticket) -> None:
         """Its first token came: the server has filled (and cached) its prompt blocks."""
         if ticket.reservation.mark_filled() and ticket.reservation.keys:
-            self.last_prefill_s = self.clock()
             self.traffic_cache.filled(ticket.reservation.keys)
             self._dispatch()
 
@@ -840,8 +846,8 @@ class AdmissionController:
         return {
             "source": self.prefix_source,
             "block_size": prefix.block_size if prefix else None,
-            "shared_blocks": self.ledger.shared_blocks,
-            "held_prompt_blocks": self.ledger.shared_keys,
+            "held_prompt_blocks": self.ledger.held_prompt_blocks,
+            "saved_blocks": sum(t.cost.shared_blocks for t in self._running.values()),
             "server_cached_blocks": cached if self.prefix_source == "events"
             else len(self.traffic_cache),
             "query_tokens": prefix.query_tokens if prefix else 0,
@@ -899,7 +905,7 @@ class AdmissionController:
                 "headroom_blocks": snapshot.headroom_blocks,
                 "reservations": snapshot.reservations,
                 "overcommit_blocks": snapshot.overcommit_blocks,
-                "shared_blocks": snapshot.shared_blocks,
+                "held_prompt_blocks": snapshot.held_prompt_blocks,
             },
             "prefix": self.prefix_state(),
             "requests": self.request_states(),

@@ -90,7 +90,7 @@ class LedgerSnapshot:
     headroom_blocks: int
     reservations: int
     overcommit_blocks: int
-    shared_blocks: int = 0
+    held_prompt_blocks: int = 0
 
 
 class Ledger:
@@ -186,8 +186,8 @@ class Ledger:
         return key in self._filled
 
     @property
-    def shared_blocks(self) -> int:
-        """Distinct shared prompt blocks held, in blocks."""
+    def held_prompt_blocks(self) -> int:
+        """Distinct prompt blocks held by reference (each counted once), in blocks."""
         return len(self._holders) * self.blocks_per_key
 
     @property
@@ -196,7 +196,7 @@ class Ledger:
 
     @property
     def reserved_blocks(self) -> int:
-        return self._reserved + self.shared_blocks
+        return self._reserved + self.held_prompt_blocks
 
     @property
     def overcommit_blocks(self) -> int:
@@ -238,5 +238,5 @@ class Ledger:
             headroom_blocks=self.headroom_blocks,
             reservations=len(self._held),
             overcommit_blocks=self._overcommit,
-            shared_blocks=self.shared_blocks,
+            held_prompt_blocks=self.held_prompt_blocks,
         )

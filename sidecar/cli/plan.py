@@ -125,7 +125,12 @@ def build_parser(prog: str = "kvgate plan") -> Parser:
                       help="a multi-call chain (agent/RAG), e.g. 1000:200,1500:300,2000:500: "
                            "prints its total latency")
     load.add_argument("--no-prefix-cache", action="store_true",
-                      help="for --chain: every call re-prefills its whole input")
+                      help="the server runs without prefix caching: --chain calls re-prefill "
+                      "their whole input and --shared-prefix-tokens shares nothing")
+    load.add_argument("--shared-prefix-tokens", type=positive_int, metavar="T", default=0,
+                      help="tokens at the start of every prompt that all requests share (a "
+                      "system prompt, tool definitions): held once in the KV cache and not "
+                      "prefilled again")
     load.add_argument("--calibration", type=Path, metavar="FILE",
                       help="efficiencies saved by a live sidecar (GET /kvgate/v1/calibration)")
 
@@ -222,6 +227,7 @@ def plan_input(args: argparse.Namespace) -> PlanInput:
         kv_margin=args.kv_margin,
         chain=_parse_chain(args.chain),
         prefix_cache=not args.no_prefix_cache,
+        shared_prefix_tokens=args.shared_prefix_tokens,
     )
 
 
@@ -287,6 +293,18 @@ def format_report(result: dict[str, Any]) -> str:
         plan_rows.append([f"in flight at {rec['arrival_rate']:g} req/s (Little's law)",
                           f"{rec['concurrency_needed']:,.1f}"])
         plan_rows.append(["replicas needed", str(rec["replicas"])])
+    blocks = result["request_kv_blocks"]
+    plan_rows.append(["KV blocks one request holds", f"{blocks['peak']:,} at its peak "
+                      f"({blocks['prefill']:,} prefilling, {blocks['decoding']:,} decoding)"])
+    shared = result.get("shared_prefix")
+    if shared:
+        plan_rows.append([f"shared prefix of {shared['tokens']:,} tokens",
+                          f"{shared['shared_blocks_per_request']:,} blocks held once; saves "
+                          f"{shared['kv_blocks_saved_at_concurrency']:,} blocks at "
+                          f"{result['concurrency']} running"])
+        without = shared["max_concurrency_without_sharing"]
+        plan_rows.append(["--max-num-seqs without sharing",
+                          "-" if without is None else f"{without:,}"])
     parts = [
         head,
         "",

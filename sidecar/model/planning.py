@@ -4,6 +4,13 @@ vLLM flags and replica counts, and multi-call chains (agents, RAG).
 Little's law: requests in the system = arrival rate x time in system. Seed example:
 a request decodes 500 tokens at 50 tokens/s (10 s); at 2 requests/s, 20 requests are
 in flight, and each holds its KV cache for the whole time.
+
+Prefix caching follows the admission core's rules (`admission.prefix`): a request
+reuses the full blocks of a prefix the server holds, up to its prompt less one token;
+requests running together hold a shared prefix's blocks once, in the groups that keep
+prompt blocks for a request's life (full attention, MLA). A request holds its KV at
+the peak of its life (`model.lifecycle`): for sliding windows that is less than the
+window cap vLLM sizes its pool with.
 """
 
 from __future__ import annotations
@@ -29,20 +36,39 @@ class LatencyEstimate:
     decode_bound: Bound
 
 
+def prefix_hit_tokens(cached_tokens: int, prompt_tokens: int, block_size: int) -> int:
+    """Prompt tokens a request finds in the prefix cache when the server holds its
+    first `cached_tokens` tokens: whole blocks, never the last prompt token."""
+    usable = min(cached_tokens, prompt_tokens - 1)
+    return max(0, usable) // block_size * block_size
+
+
+def shared_prefix_blocks(served: ServedModel, shared_prefix_tokens: int,
+                         prompt_tokens: int) -> int:
+    """Blocks of a request that concurrent requests with the same prefix hold once."""
+    block_size = served.layout.prefix_block_size
+    if block_size is None or shared_prefix_tokens <= 0:
+        return 0
+    hit = prefix_hit_tokens(shared_prefix_tokens, prompt_tokens, block_size)
+    return hit // block_size * served.layout.prefix_groups
+
+
 def steady_latency(
-    served: ServedModel, prompt_tokens: int, output_tokens: int, concurrency: int
+    served: ServedModel, prompt_tokens: int, output_tokens: int, concurrency: int,
+    cached_tokens: int = 0,
 ) -> LatencyEstimate | None:
     """Latency of one request while `concurrency` requests (itself included) run.
 
     The others are taken halfway through their output: context = prompt + output/2.
-    E2E = TTFT + output x TPOT.
+    E2E = TTFT + output x TPOT. `cached_tokens` of the prompt are prefix-cache hits.
     """
     if served.roofline is None:
         return None
     concurrency = max(1, concurrency)
     mid_context = prompt_tokens + output_tokens // 2
     others = (mid_context,) * (concurrency - 1)
-    prefill = served.ttft(prompt_tokens, others)
+    cached = prefix_hit_tokens(cached_tokens, prompt_tokens, served.deployment.block_size)
+    prefill = served.ttft(prompt_tokens - cached, others, cached)
     decode = served.tpot((mid_context,) * concurrency)
     assert prefill is not None and decode is not None
     return LatencyEstimate(
@@ -59,15 +85,25 @@ def concurrency_by_littles_law(arrival_rate_per_s: float, time_in_system_s: floa
 
 
 def kv_concurrency_limit(served: ServedModel, sequence_tokens: int,
-                         margin: float = DEFAULT_KV_MARGIN) -> int | None:
-    """Sequences of `sequence_tokens` tokens that fit in `margin` of the KV cache."""
+                         margin: float = DEFAULT_KV_MARGIN, *, output_tokens: int | None = None,
+                         shared_prefix_tokens: int = 0) -> int | None:
+    """Requests that fit in `margin` of the KV cache at once: sequences of
+    `sequence_tokens` tokens (`output_tokens` of them output), each at the peak of its
+    life, a shared prefix's blocks held once."""
     capacity = served.capacity
     if capacity is None:
         return None
-    per_request = served.blocks_for_request(sequence_tokens)
+    output = sequence_tokens // 2 if output_tokens is None else output_tokens
+    prompt = max(1, sequence_tokens - output)
+    per_request = served.lifecycle.peak_blocks(prompt, output)
     if per_request == 0:
         return served.max_num_seqs
-    return int(capacity.usable_blocks * margin // per_request)
+    shared = shared_prefix_blocks(served, shared_prefix_tokens, prompt)
+    room = capacity.usable_blocks * margin - shared
+    own = per_request - shared
+    if own <= 0:
+        return served.max_num_seqs
+    return max(0, int(room // own))
 
 
 @dataclass(frozen=True)
@@ -87,16 +123,20 @@ def recommend(
     ttft_slo_s: float | None = None,
     tpot_slo_s: float | None = None,
     margin: float = DEFAULT_KV_MARGIN,
+    shared_prefix_tokens: int = 0,
 ) -> Recommendation:
     """The largest concurrency one replica sustains within the KV margin and SLOs."""
     limit = served.max_num_seqs
     limited_by = "max-num-seqs"
-    kv_limit = kv_concurrency_limit(served, prompt_tokens + output_tokens, margin)
+    kv_limit = kv_concurrency_limit(served, prompt_tokens + output_tokens, margin,
+                                    output_tokens=output_tokens,
+                                    shared_prefix_tokens=shared_prefix_tokens)
     if kv_limit is not None and kv_limit < limit:
         limit, limited_by = max(kv_limit, 1), "kv-cache"
 
     def slo_violation(concurrency: int) -> str | None:
-        estimate = steady_latency(served, prompt_tokens, output_tokens, concurrency)
+        estimate = steady_latency(served, prompt_tokens, output_tokens, concurrency,
+                                  shared_prefix_tokens)
         if estimate is None:
             return None
         if tpot_slo_s is not None and estimate.tpot_s > tpot_slo_s:
@@ -116,7 +156,7 @@ def recommend(
             else:
                 high = mid - 1
         limit, limited_by = low, reason
-    latency = steady_latency(served, prompt_tokens, output_tokens, limit)
+    latency = steady_latency(served, prompt_tokens, output_tokens, limit, shared_prefix_tokens)
     needed = None
     replicas = None
     if arrival_rate_per_s is not None and latency is not None:
@@ -160,16 +200,18 @@ def chain(
     """Sum of prefill and decode over a chain of calls that re-send a growing context.
 
     With a prefix cache, call i reuses the previous call's input plus output when its
-    own input starts with them (it is at least as long); only the rest is prefilled.
+    own input starts with them (it is at least as long), in whole blocks and never its
+    last input token (as vLLM reuses them); only the rest is prefilled.
     """
     if served.roofline is None:
         return None
     estimates: list[ChainCallEstimate] = []
     previous_context = 0
+    block_size = served.deployment.block_size
     for call in calls:
         cached = 0
         if prefix_cache and previous_context and call.input_tokens >= previous_context:
-            cached = previous_context
+            cached = prefix_hit_tokens(previous_context, call.input_tokens, block_size)
         new_tokens = max(1, call.input_tokens - cached)
         mid = call.input_tokens + call.output_tokens // 2
         others = (mid,) * (max(1, concurrency) - 1)

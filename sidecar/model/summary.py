@@ -6,7 +6,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from sidecar.model.planning import ChainCall, chain, recommend, steady_latency
+from sidecar.model.planning import (
+    ChainCall,
+    chain,
+    kv_concurrency_limit,
+    recommend,
+    shared_prefix_blocks,
+    steady_latency,
+)
 from sidecar.model.served import ServedModel
 
 
@@ -23,6 +30,7 @@ class PlanInput:
     kv_margin: float
     chain: tuple[ChainCall, ...]
     prefix_cache: bool
+    shared_prefix_tokens: int = 0  # at the start of every prompt (system prompt, tools)
 
 
 def compute_plan(plan: PlanInput) -> dict[str, Any]:
@@ -31,7 +39,9 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
     arch = served.arch
     capacity = served.capacity
     budget = served.memory_budget
-    latency = steady_latency(served, plan.prompt_tokens, plan.output_tokens, plan.concurrency)
+    shared_prefix = plan.shared_prefix_tokens if plan.prefix_cache else 0
+    latency = steady_latency(served, plan.prompt_tokens, plan.output_tokens, plan.concurrency,
+                             shared_prefix)
     rec = recommend(
         served,
         plan.prompt_tokens,
@@ -40,6 +50,7 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
         plan.ttft_slo_s,
         plan.tpot_slo_s,
         plan.kv_margin,
+        shared_prefix,
     )
     kv_budget = served.kv_budget_bytes
     weights_fit = budget is None or (
@@ -64,6 +75,7 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
         "kv_bytes_per_sequence": round(served.kv_bytes_per_sequence(plan.sequence_tokens)),
         "kv_layout": served.layout.describe(),
         "request_kv_blocks": request_blocks(served, plan.prompt_tokens, plan.output_tokens),
+        "shared_prefix": shared_prefix_summary(served, plan, shared_prefix),
         "kv_budget_bytes": kv_budget,
         "kv_budget_source": "given" if served.deployment.available_kv_bytes else (
             "estimated" if budget else None),
@@ -122,4 +134,24 @@ def request_blocks(served: ServedModel, prompt_tokens: int, output_tokens: int) 
         "decoding": lifecycle.peak_blocks(prompt_tokens, output_tokens, 2)
         if output_tokens > 2 else lifecycle.blocks_now(prompt_tokens, max(1, output_tokens - 1)),
         "final": lifecycle.blocks_now(prompt_tokens, max(1, output_tokens - 1)),
+    }
+
+
+def shared_prefix_summary(served: ServedModel, plan: PlanInput,
+                          shared_prefix_tokens: int) -> dict[str, Any] | None:
+    """How much KV a prefix every request shares saves at the plan's concurrency."""
+    if shared_prefix_tokens <= 0:
+        return None
+    shared = shared_prefix_blocks(served, shared_prefix_tokens, plan.prompt_tokens)
+    peak = served.lifecycle.peak_blocks(plan.prompt_tokens, plan.output_tokens)
+    concurrency = max(1, plan.concurrency)
+    without = kv_concurrency_limit(served, plan.prompt_tokens + plan.output_tokens,
+                                   plan.kv_margin, output_tokens=plan.output_tokens)
+    return {
+        "tokens": shared_prefix_tokens,
+        "shared_blocks_per_request": shared,
+        "kv_blocks_per_request": peak,
+        "kv_blocks_at_concurrency": shared + concurrency * (peak - shared),
+        "kv_blocks_saved_at_concurrency": (concurrency - 1) * shared,
+        "max_concurrency_without_sharing": without,
     }

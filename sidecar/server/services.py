@@ -145,6 +145,7 @@ class Services:
             return
         self.kv_events = KVEventSubscriber(endpoint, self._on_kv_events, self._on_kv_gap)
         self._events_started_s = self.clock()
+        self._ensure_event_cache()
         await self.kv_events.start()
         log.info("subscribed to the server's KV cache events at %s", endpoint)
 
@@ -153,6 +154,8 @@ class Services:
             await self.kv_events.close()
 
     def _on_kv_events(self, events: Sequence[KVEvent]) -> None:
+        if self.controller is not None:
+            self.controller.expects_events_since_s = None  # the stream is alive
         cache = self.event_cache
         if cache is None:
             return
@@ -170,23 +173,31 @@ class Services:
                 cache.cleared()
         self._update_prefix_source()
 
+    def _ensure_event_cache(self) -> None:
+        """The index of the server's cache, once both the events and the served model's
+        block size are known (in either order)."""
+        served = self.served
+        block_size = served.layout.prefix_block_size if served is not None else None
+        if self.kv_events is not None and block_size is not None and (
+            self.event_cache is None or self.event_cache.block_size != block_size
+        ):
+            blocks = self.learned.num_blocks if self.learned else None
+            self.event_cache = EventCache(block_size, max_blocks=4 * (blocks or 1 << 18))
+        self._update_prefix_source()
+
     def _on_kv_gap(self) -> None:
         """Events were missed (or the server restarted): what it has cached is unknown."""
         if self.event_cache is not None:
             self.event_cache.cleared()
 
     def events_stale(self) -> bool:
-        """The server prefilled requests kvgate sent and told nothing about them."""
+        """kvgate sent the server prompt blocks it did not hold, and no event came since
+        (vLLM publishes a request's new blocks when it schedules it, within a step)."""
         subscriber, controller = self.kv_events, self.controller
         if subscriber is None or controller is None:
             return False
-        prefilled = controller.last_prefill_s
-        if prefilled is None:
-            return False
-        last_event = subscriber.last_event_s
-        if last_event is None:
-            last_event = self._events_started_s
-        return prefilled > last_event and self.clock() - prefilled > (
+        expected = controller.expects_events_since_s
+        return expected is not None and self.clock() - expected > (
             self.settings.kv_events_stale_s)
 
     def _update_prefix_source(self) -> None:
@@ -333,13 +344,7 @@ class Services:
             )
         else:
             self.controller.set_cost_model(cost_model)
-        block_size = served.layout.prefix_block_size
-        if self.kv_events is not None and block_size is not None and (
-            self.event_cache is None or self.event_cache.block_size != block_size
-        ):
-            blocks = learned.num_blocks or 1 << 18
-            self.event_cache = EventCache(block_size, max_blocks=4 * blocks)
-        self._update_prefix_source()
+        self._ensure_event_cache()
         self.metrics.set_model(learned.model_id)
 
     def apply_calibration(self, *, force: bool = False) -> None:
@@ -480,13 +485,15 @@ class Services:
         return PrefixView(
             source=controller.prefix_source,
             server_prefix_caching=metrics.cache.enable_prefix_caching if metrics else None,
-            held_blocks=controller.ledger.shared_blocks,
+            held_blocks=controller.ledger.held_prompt_blocks,
             saved_blocks=sum(t.cost.shared_blocks for t in controller.tickets()),
             query_tokens=prefix.query_tokens if prefix else 0,
             predicted_hit_tokens=prefix.hit_tokens if prefix else 0,
             server_query_tokens=metrics.prefix_cache_queries_total if metrics else None,
             server_hit_tokens=metrics.prefix_cache_hits_total if metrics else None,
             events_configured=subscriber is not None,
+            events_connected=bool(subscriber and subscriber.connected),
+            events_decode_errors=subscriber.decode_errors if subscriber else 0,
             events_age_s=None if last_event is None else self.clock() - last_event,
             events_stale=self.events_stale(),
             events_gaps=subscriber.gaps if subscriber else 0,
