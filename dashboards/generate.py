@@ -477,8 +477,8 @@ LAYOUT: list[tuple[Panel, int, int]] = [
             "KV events stale",
             "1 when the server prefilled requests kvgate sent and published no KV cache event "
             "for them within --kv-events-stale-s (default 5 s): kvgate models the server's "
-            "cache from its own traffic until events flow again. After a request with a short "
-            "output and no traffic since, it reads 1 too (docs/prefix-caching.md). Alert "
+            "cache from its own traffic until events flow again (docs/prefix-caching.md). "
+            "Alert "
             "KvgateKVEventsStale when it lasts 5 minutes with the server's prefix caching on "
             "while kvgate sends it requests. No data: --kv-events-endpoint is not set.",
             [target(f"kvgate_kv_events_stale{{{K}}}", "{{instance}}")],
@@ -515,15 +515,23 @@ LAYOUT: list[tuple[Panel, int, int]] = [
     ),
     (
         timeseries(
-            "KV events gaps",
+            "KV events gaps, decode errors and connection",
             "Gaps in the KV cache events' sequence numbers (missed events, a restarted "
-            "server, a lost connection). Each drops kvgate's view of the server's cache, which "
-            "then refills from new events. No data: --kv-events-endpoint is not set.",
+            "server, a lost connection) and batches kvgate could not decode (a changed event "
+            "format): each drops kvgate's view of the server's cache, which then refills from "
+            "new events. Connected: 1 while the subscription is up. No data: "
+            "--kv-events-endpoint is not set.",
             [
                 target(
                     f"sum by (instance) (increase(kvgate_kv_events_gaps_total{{{K}}}[{RI}]))",
-                    "{{instance}}",
-                )
+                    "{{instance}} gaps",
+                ),
+                target(
+                    "sum by (instance) "
+                    f"(increase(kvgate_kv_events_decode_errors_total{{{K}}}[{RI}]))",
+                    "{{instance}} decode errors",
+                ),
+                target(f"kvgate_kv_events_connected{{{K}}}", "{{instance}} connected"),
             ],
         ),
         5,

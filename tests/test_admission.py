@@ -67,7 +67,8 @@ def test_never_fits_tells_the_largest_max_tokens() -> None:
         # max_model_len allows 124 more tokens (vLLM clamps max_tokens to them), the
         # cache only 45.
         assert decision.details["largest_max_tokens"] == 45
-        assert "64 KV blocks, more than the 59" in decision.reason
+        assert "1 x (900 prompt + 124 output) tokens (max_tokens 200 clamped" in decision.reason
+        assert "64 KV blocks at their peak, more than the 59" in decision.reason
         assert decision.retry_after_s is None
         # 4 sequences of 300 tokens need 76 blocks; 4 x (200 + 25 - 1) tokens fit in 56.
         with pytest.raises(Rejected) as too_big:

@@ -378,8 +378,9 @@ KV_EVENTS_STALE = Alert(
     summary="kvgate on {{ $labels.instance }} gets no KV cache events from its vLLM server",
     description=f"""
         kvgate on {{{{ $labels.instance }}}} (job {{{{ $labels.job }}}}) subscribes to its
-        vLLM server's KV cache events (--kv-events-endpoint), but the server prefilled
-        requests and published no event for them (--kv-events-stale-s), for
+        vLLM server's KV cache events (--kv-events-endpoint), but it sent the server
+        prompt blocks the server did not hold and no event came back within
+        --kv-events-stale-s, for
         {KV_EVENTS_STALE_FOR} while it has prefix caching on and kvgate keeps sending it
         requests (some in the last {KV_EVENTS_TRAFFIC_WINDOW}). kvgate models the server's
         prefix cache from its own traffic instead: it no longer sees what other traffic
@@ -390,12 +391,10 @@ KV_EVENTS_STALE = Alert(
         1. Dashboard "kvgate", row "Prefix cache": "KV events age" since the last batch and
            "KV events gaps"; GET /kvgate/v1/state shows admission.prefix.source (traffic
            while the events are stale).
-        2. Rule out a false alarm: vLLM publishes only when it stores new full blocks, so
-           requests whose prompts are all cached and whose outputs are short can leave
-           kvgate without events for them (panel "Prefix cache hit ratio": the server's
-           near 1). Send one request with a new prompt of a few blocks, "max_tokens": 64
-           and "ignore_eos": true through kvgate: if "KV events stale" turns 0, the events
-           flow.
+        2. Panel "KV events gaps, decode errors and connection": connected 0 means the
+           subscription never connected or dropped (steps 3 and 4); connected 1 with the
+           events stale means the server publishes nothing (step 3) or in a format kvgate
+           cannot read (decode errors, step 5).
         3. Check that vLLM publishes: its --kv-events-config must have
            "enable_kv_cache_events": true, "publisher": "zmq" and the endpoint kvgate's
            --kv-events-endpoint names (the manifests: ipc:///run/kvgate/kv-events.sock);

@@ -7,8 +7,11 @@ reservation exactly once and lets queued requests in.
 
 Decision at arrival, in order:
 1. draining / server unavailable / capacity unknown -> reject;
-2. prompt + output reservation beyond max_model_len, or more blocks than kvgate ever
-   admits (capacity x target) -> `never_fits`, naming the largest max_tokens that fits;
+2. a prompt that leaves no room for output within max_model_len (vLLM refuses it too),
+   or a peak of more blocks than kvgate ever admits (capacity x target) ->
+   `never_fits`, naming the largest max_tokens that fits. A max_tokens beyond the
+   context left is reserved as vLLM serves it: clamped (0.32 and later; releases that
+   refuse it answer the client themselves);
 3. headroom now and nobody of the same or a more important band waiting -> admit;
 4. queue full -> `queue_full`; predicted TTFT (wait + prefill) beyond the request's
    target -> `deadline`; else wait in the queue, until admitted, timed out
@@ -471,9 +474,13 @@ class AdmissionController:
             what = (f"prompt ({request.prompt_tokens} tokens) leaves no room for output within "
                     f"the model's max_model_len ({max_len})")
         else:
-            what = (f"{request.sequences} x {cost.total_tokens} tokens need "
-                    f"{cost.kv_blocks + cost.shared_blocks} KV blocks, more than the {target} "
-                    "blocks the whole cache can give one request")
+            clamped = (f" (max_tokens {request.max_tokens} clamped to the context left, as "
+                       "vLLM clamps it)" if request.max_tokens is not None
+                       and request.max_tokens > cost.output_tokens else "")
+            what = (f"{request.sequences} x ({request.prompt_tokens} prompt + "
+                    f"{cost.output_tokens} output) tokens{clamped} need "
+                    f"{cost.kv_blocks + cost.shared_blocks} KV blocks at their peak, more than "
+                    f"the {target} blocks the whole cache can give one request")
         hint = (f"; the largest max_tokens that fits is {largest}" if largest > 0 else
                 "; the prompt alone does not fit")
         return Decision(
