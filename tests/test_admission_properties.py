@@ -287,3 +287,68 @@ PrefixMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestPrefixProperties = PrefixMachine.TestCase
+
+
+SLIDING = {"model_type": "mistral", "hidden_size": 128, "intermediate_size": 256,
+           "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+           "head_dim": 32, "sliding_window": 64, "vocab_size": 1024,
+           "max_position_embeddings": 1024, "torch_dtype": "bfloat16"}
+
+
+class SlidingMachine(AdmissionMachine):
+    """The same invariants on a sliding-window model, where a reservation shrinks from
+    its prefill peak to its window once the request decodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from sidecar.admission import AdmissionController, AdmissionSettings, CostModel
+
+        from support.admission_fixtures import tiny_served
+
+        self.ctl = AdmissionController(
+            CostModel(tiny_served(41, config=SLIDING)),
+            AdmissionSettings(starvation_bound_s=None,
+                              limits=QueueLimits(max_length=12, max_wait_s=60.0)),
+            clock=self.clock)
+        self.ctl.update_server(ServerState(available=True))
+        self.shrunk = 0
+
+    @invariant()
+    def no_band_starves_beyond_its_bound(self) -> None:
+        return None
+
+    @precondition(lambda self: self.running)
+    @rule(index=st.integers(0, 100))
+    def decodes(self, index: int) -> None:
+        ticket, _ = self.running[index % len(self.running)]
+        before = ticket.reservation.blocks
+        ticket.first_token()
+        ticket.progress(min(2, ticket.reserved_output_tokens))
+        self.shrunk += ticket.reservation.blocks < before
+        # Never below what the request holds from here on.
+        request = ticket.request
+        ahead = self.ctl.cost_model.peak_blocks(request.prompt_tokens,
+                                                ticket.reserved_output_tokens,
+                                                request.sequences, ticket.output_tokens)
+        assert ticket.reservation.blocks >= ahead
+        self.settle()
+
+
+SlidingMachine.TestCase.settings = settings(
+    max_examples=80, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestSlidingProperties = SlidingMachine.TestCase
+
+
+def test_sliding_reservations_do_shrink() -> None:
+    """The sliding machine's world really shrinks reservations (not vacuous)."""
+    machine = SlidingMachine()
+    try:
+        machine.arrive(300, 200, 1, "a", None)
+        ticket, _ = machine.running[0]
+        peak = ticket.reservation.blocks
+        machine.decodes(0)
+        assert ticket.reservation.blocks < peak and machine.shrunk == 1
+    finally:
+        machine.teardown()
