@@ -104,7 +104,7 @@ def test_requests_without_keys_or_with_several_sequences_share_nothing() -> None
 
 def test_prefix_caching_off_shares_nothing() -> None:
     ctl = controller(num_blocks=256)
-    ctl.set_prefix_caching(False)
+    ctl.sharing.set_enabled(False)
     assert ctl.prompt_keys(prompt(1)) == () and ctl.prefix_source == "off"
 
 
@@ -164,7 +164,7 @@ def test_events_replace_the_traffic_model_and_a_gap_forgets_them() -> None:
     clock = FakeClock()
     ctl = controller(num_blocks=256, clock=clock)
     events = EventCache(BLOCK)
-    ctl.use_events(events)
+    ctl.sharing.use_events(events)
     assert ctl.prefix_source == "events"
     tokens = prompt(1)
     events.stored([f"h{i}" for i in range(20)], None, tokens[:20 * BLOCK], BLOCK)
@@ -177,7 +177,7 @@ def test_events_replace_the_traffic_model_and_a_gap_forgets_them() -> None:
     assert third.cost.shared_blocks == 0
     for ticket in (holder, second, third):
         ticket.finish(64)
-    ctl.use_events(None)
+    ctl.sharing.use_events(None)
     assert ctl.prefix_source == "traffic"
 
 

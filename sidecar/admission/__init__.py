@@ -5,12 +5,10 @@ asyncio, but no HTTP and no Prometheus: the server wires it to both.
 
 from sidecar.admission.controller import (
     AdmissionController,
-    AdmissionRequest,
     AdmissionSettings,
     DecisionListener,
     Mode,
     ServerState,
-    Ticket,
 )
 from sidecar.admission.cost import CostModel, RequestCost
 from sidecar.admission.forecast import Forecast
@@ -24,6 +22,7 @@ from sidecar.admission.outcomes import (
     Rejected,
 )
 from sidecar.admission.policies import QueueLimits
+from sidecar.admission.running import AdmissionRequest, Ticket
 
 __all__ = [
     "FINAL_OUTCOMES",

@@ -37,7 +37,7 @@ from typing import Protocol, cast
 
 from sidecar.admission.cost import CostModel, RequestCost
 from sidecar.admission.forecast import Forecast, ReleaseSchedule, RunningRequest, kv_forecast
-from sidecar.admission.ledger import Ledger, Reservation
+from sidecar.admission.ledger import Ledger
 from sidecar.admission.load import PrefillLoad
 from sidecar.admission.outcomes import Decision, Detail, Outcome, Rejected
 from sidecar.admission.output_policy import LearnedQuantile, OutputReservation, WorstCase
@@ -47,15 +47,10 @@ from sidecar.admission.policies import (
     QueueLimits,
     StrictPriority,
 )
-from sidecar.admission.prefix import (
-    EventCache,
-    PrefixIndex,
-    PrefixPlan,
-    ServerCache,
-    TrafficCache,
-    block_keys,
-)
+from sidecar.admission.prefix import PrefixPlan
 from sidecar.admission.queue import AdmissionQueue, Entry
+from sidecar.admission.running import AdmissionRequest, RunningSet, Ticket
+from sidecar.admission.sharing import PromptSharing
 
 Clock = Callable[[], float]
 
@@ -95,17 +90,6 @@ class AdmissionSettings:
 
 
 @dataclass(frozen=True)
-class AdmissionRequest:
-    prompt_tokens: int
-    max_tokens: int | None = None
-    sequences: int = 1  # n / best_of
-    band: int = 1  # 0 is the most important
-    tenant: str = "default"
-    ttft_slo_s: float | None = None
-    block_keys: tuple[bytes, ...] = ()  # its prompt's full blocks (`prompt_keys`)
-
-
-@dataclass(frozen=True)
 class ServerState:
     """What the upstream client last learned from the server."""
 
@@ -128,79 +112,6 @@ class _NoListener:
 
     def queue_wait(self, seconds: float) -> None:
         return None
-
-
-class Ticket:
-    """An admitted request. `finish()` settles it; calling it again does nothing."""
-
-    def __init__(
-        self,
-        controller: AdmissionController,
-        key: int,
-        request: AdmissionRequest,
-        cost: RequestCost,
-        reservation: Reservation,
-        admitted_s: float,
-        queue_wait_s: float,
-        predicted_ttft_s: float,
-        shadow_outcome: Outcome | None,
-        plan: PrefixPlan | None = None,
-    ) -> None:
-        self._controller = controller
-        self.plan = plan or PrefixPlan.none()
-        self.key = key
-        self.request = request
-        self.cost = cost
-        self.reservation = reservation
-        self.admitted_s = admitted_s
-        self.queue_wait_s = queue_wait_s
-        self.predicted_ttft_s = predicted_ttft_s
-        self.predicted_tpot_s = cost.tpot_s
-        self.shadow_outcome = shadow_outcome
-        self.output_tokens = 0
-        self.first_token_s: float | None = None
-        self.finished = False
-        self.past_prefill_peak = False
-
-    @property
-    def reserved_blocks(self) -> int:
-        """What it holds in the ledger now: its own blocks plus the prompt blocks it
-        brought (those no admitted request held before it)."""
-        brought = (len(self.reservation.keys) - self.plan.shared) * (
-            self._controller.ledger.blocks_per_key)
-        return 0 if self.reservation.released else self.reservation.blocks + brought
-
-    @property
-    def reserved_output_tokens(self) -> int:
-        return self.cost.output_tokens
-
-    def first_token(self) -> None:
-        if self.first_token_s is None:
-            self.first_token_s = self._controller.clock()
-            self._controller._prefilled(self)
-
-    def progress(self, output_tokens: int) -> None:
-        """Output tokens generated so far (per sequence). A request that outgrows its
-        reservation (learned-quantile policy) grows it."""
-        if output_tokens <= self.output_tokens or self.finished:
-            return
-        self._controller._progressed(self, output_tokens - self.output_tokens)
-        self.output_tokens = output_tokens
-        if self.output_tokens > self.cost.output_tokens:
-            self._controller._grow(self)
-        elif not self.past_prefill_peak and output_tokens >= 2:
-            self._controller._shrink(self)
-
-    def finish(self, output_tokens: int | None = None, *, completed: bool = True) -> bool:
-        """Release the reservation. True the first time only."""
-        if self.finished:
-            return False
-        if output_tokens is not None and output_tokens > self.output_tokens:
-            self._controller._progressed(self, output_tokens - self.output_tokens)
-            self.output_tokens = output_tokens
-        self.finished = True
-        self._controller._finished(self, completed)
-        return True
 
 
 @dataclass(frozen=True)
@@ -239,8 +150,7 @@ class AdmissionController:
         )
         self._outputs = LearnedQuantile(0.5, min_samples=20)
         self._keys = itertools.count(1)
-        self._running: dict[int, Ticket] = {}
-        self._context_tokens = 0  # prompt + output tokens of all running requests
+        self._running = RunningSet()
         self.prefill_load = PrefillLoad()
         self._schedule: ReleaseSchedule | None = None
         # How long the last admitted request was predicted to hold its KV: when nothing
@@ -249,65 +159,22 @@ class AdmissionController:
         self._last_duration_s = 0.0
         self._draining = False
         self._drain_deadline_s: float | None = None
-        self.traffic_cache = TrafficCache()
-        self.event_cache: EventCache | None = None
-        self.prefix: PrefixIndex | None = None
-        self._prefix_caching = True
-        # Since when kvgate has been waiting for KV cache events: it admitted a request
-        # whose prompt blocks the server does not hold, and none came since (vLLM
-        # publishes the blocks it stores when it schedules the request). None: no wait.
-        self.expects_events_since_s: float | None = None
-        self._configure_prefix()
+        self.sharing = PromptSharing(self.ledger, cost_model.served.layout)
 
     # ---- prefix caching ---------------------------------------------------------------
-
-    def set_prefix_caching(self, enabled: bool) -> None:
-        """Whether the server shares prompt blocks (vLLM's --enable-prefix-caching)."""
-        if enabled != self._prefix_caching:
-            self._prefix_caching = enabled
-            self._configure_prefix()
-
-    def use_events(self, cache: EventCache | None) -> None:
-        """Take what the server has cached from its KV cache events (None: from
-        kvgate's own traffic, when the events are missing or stale)."""
-        if cache is not self.event_cache:
-            self.event_cache = cache
-            self._configure_prefix()
 
     @property
     def prefix_source(self) -> str:
         """events | traffic | off: where the view of the server's cache comes from."""
-        return "off" if self.prefix is None else self.prefix.server.source
+        return self.sharing.source
 
-    def _configure_prefix(self) -> None:
-        layout = self.cost_model.served.layout
-        block_size = layout.prefix_block_size
-        self.ledger.blocks_per_key = max(1, layout.prefix_groups)
-        if not self._prefix_caching or block_size is None:
-            self.prefix = None
-            return
-        server: ServerCache = self.traffic_cache
-        if self.event_cache is not None and self.event_cache.block_size == block_size:
-            server = self.event_cache
-        hits = (self.prefix.query_tokens, self.prefix.hit_tokens) if self.prefix else (0, 0)
-        self.prefix = PrefixIndex(block_size, server)
-        self.prefix.query_tokens, self.prefix.hit_tokens = hits
-
-    def prompt_keys(self, token_ids: list[int] | tuple[int, ...], salt: bytes = b"") -> tuple[
-            bytes, ...]:
+    def prompt_keys(self, token_ids: list[int] | tuple[int, ...],
+                    salt: bytes = b"") -> tuple[bytes, ...]:
         """Keys of a prompt's full blocks, or () when the server shares none."""
-        if self.prefix is None:
-            return ()
-        return block_keys(token_ids, self.prefix.block_size, salt)
+        return self.sharing.keys(token_ids, salt)
 
     def _plan(self, request: AdmissionRequest) -> PrefixPlan:
-        if self.prefix is None or not request.block_keys or request.sequences != 1:
-            return PrefixPlan.none()
-        return self.prefix.plan(request.block_keys, request.prompt_tokens, self.ledger)
-
-    def _own_blocks(self, peak_blocks: int, plan: PrefixPlan) -> int:
-        """Blocks of a peak that are the request's own (not a shared prompt block)."""
-        return max(0, peak_blocks - len(plan.keys) * self.ledger.blocks_per_key)
+        return self.sharing.plan(request.block_keys, request.prompt_tokens, request.sequences)
 
     # ---- configuration from the outside ----------------------------------------------
 
@@ -339,7 +206,7 @@ class AdmissionController:
         self.cost_model = cost_model
         capacity = cost_model.served.capacity
         self._model_capacity = capacity.usable_blocks if capacity else None
-        self._configure_prefix()
+        self.sharing.set_layout(cost_model.served.layout)
         self.update_server(self.server)
 
     def drain(self, timeout_s: float) -> None:
@@ -437,7 +304,7 @@ class AdmissionController:
         running = len(self._running)
         slowdown = self.prefill_load.slowdown(self.clock(), running)
         plan = self._plan(request)
-        shared = plan.shared * self.ledger.blocks_per_key
+        shared = self.sharing.shared_blocks(plan)
         cost = self.cost_model.cost(
             request.prompt_tokens, output, request.sequences, running, self._mean_context(),
             slowdown, shared_blocks=shared, cached_tokens=plan.cached_tokens,
@@ -579,8 +446,8 @@ class AdmissionController:
                 return
             head = cast(_Waiter, entry.payload)
             # What the head is charged now: the blocks it shares may have changed.
-            charge = (head.cost.kv_blocks if self.prefix is None or not head.request.block_keys
-                      else self._charge(head.request, head.cost))
+            charge = (self._charge(head.request, head.cost) if head.request.block_keys
+                      else head.cost.kv_blocks)
             if not self.ledger.fits(charge):
                 return
             popped = self.queue.pop(now)
@@ -611,9 +478,9 @@ class AdmissionController:
         shadow_outcome: Outcome | None = None,
     ) -> Ticket:
         plan = self._plan(request)
-        shared = plan.shared * self.ledger.blocks_per_key
+        shared = self.sharing.shared_blocks(plan)
         peak = cost.kv_blocks + cost.shared_blocks
-        own = self._own_blocks(peak, plan)
+        own = self.sharing.own_blocks(peak, plan)
         unreserved = max(0, cost.worst_case_blocks - cost.kv_blocks)
         if shared != cost.shared_blocks or plan.cached_tokens != cost.cached_tokens:
             # What it shares changed while it waited (a holder filled its blocks).
@@ -626,19 +493,12 @@ class AdmissionController:
                 worst_case_blocks=peak - shared + unreserved)
             predicted_ttft_s = queue_wait_s + cost.prefill_s
         reservation = self.ledger.reserve(own, own + unreserved, plan.keys)
-        self.traffic_cache.allocated(cost.kv_blocks)
-        if self.prefix is not None and request.block_keys:
-            self.prefix.count(plan, request.prompt_tokens)
-            known = self.prefix.server if self.event_cache is None else self.event_cache
-            if self.expects_events_since_s is None and any(
-                not known.cached(key) for key in request.block_keys
-            ):
-                self.expects_events_since_s = now
+        self.sharing.admitted(plan, request.block_keys, request.prompt_tokens, cost.kv_blocks,
+                              now)
         ticket = Ticket(self, next(self._keys), request, cost, reservation, now, queue_wait_s,
                         predicted_ttft_s, shadow_outcome, plan)
-        self._running[ticket.key] = ticket
+        self._running.add(ticket)
         self._last_duration_s = cost.prefill_s + cost.decode_s
-        self._context_tokens += request.prompt_tokens
         self.prefill_load.add(now, cost.prefill_work_s)
         self._schedule = None
         return ticket
@@ -646,13 +506,13 @@ class AdmissionController:
     def _charge(self, request: AdmissionRequest, cost: RequestCost) -> int:
         """Blocks admitting `request` would add to the ledger now."""
         plan = self._plan(request)
-        return cost.kv_blocks + cost.shared_blocks - plan.shared * self.ledger.blocks_per_key
+        return cost.kv_blocks + cost.shared_blocks - self.sharing.shared_blocks(plan)
 
     def _grow(self, ticket: Ticket) -> None:
         request = ticket.request
         peak = self.cost_model.peak_blocks(request.prompt_tokens, ticket.output_tokens + 1,
                                            request.sequences, ticket.output_tokens)
-        blocks = self._own_blocks(peak, ticket.plan)
+        blocks = self.sharing.own_blocks(peak, ticket.plan)
         if blocks > ticket.reservation.blocks:
             ticket.reservation.resize(blocks)
             ticket.cost = replace(ticket.cost, output_tokens=ticket.output_tokens,
@@ -668,7 +528,7 @@ class AdmissionController:
         request = ticket.request
         peak = self.cost_model.peak_blocks(request.prompt_tokens, ticket.cost.output_tokens,
                                            request.sequences, ticket.output_tokens)
-        blocks = self._own_blocks(peak, ticket.plan)
+        blocks = self.sharing.own_blocks(peak, ticket.plan)
         if blocks < ticket.reservation.blocks:
             ticket.reservation.resize(blocks)
             self._schedule = None
@@ -676,23 +536,15 @@ class AdmissionController:
 
     def _prefilled(self, ticket: Ticket) -> None:
         """Its first token came: the server has filled (and cached) its prompt blocks."""
-        if ticket.reservation.mark_filled() and ticket.reservation.keys:
-            self.traffic_cache.filled(ticket.reservation.keys)
+        if self.sharing.prefilled(ticket.reservation):
             self._dispatch()
 
     def _progressed(self, ticket: Ticket, added_tokens: int) -> None:
-        if ticket.key in self._running:
-            self._context_tokens += added_tokens
+        self._running.progressed(ticket, added_tokens)
 
     def _finished(self, ticket: Ticket, completed: bool) -> None:
-        if self._running.pop(ticket.key, None) is not None:
-            self._context_tokens -= ticket.request.prompt_tokens + ticket.output_tokens
-        reservation = ticket.reservation
-        last_held = [key for key in reservation.keys if self.ledger.holders(key) == 1]
-        if reservation.release() and last_held and reservation.filled:
-            # Its blocks stay in the server's cache, free, until vLLM evicts them.
-            free = self.ledger.capacity_blocks - self.ledger.effective_used_blocks
-            self.traffic_cache.freed(last_held, free)
+        self._running.remove(ticket)
+        self.sharing.release(ticket.reservation)
         if completed and ticket.output_tokens > 0:
             self.output_policy.observe(ticket.request.tenant, ticket.output_tokens)
             self._outputs.observe(ticket.request.tenant, ticket.output_tokens)
@@ -718,9 +570,7 @@ class AdmissionController:
     # ---- predictions -------------------------------------------------------------------
 
     def _mean_context(self) -> int:
-        if not self._running:
-            return 0
-        return self._context_tokens // len(self._running)
+        return self._running.mean_context()
 
     def _expected_output(self, ticket: Ticket) -> int:
         typical = self._outputs.reserve(ticket.request.prompt_tokens, None,
@@ -736,7 +586,7 @@ class AdmissionController:
         tpot = self.cost_model.tpot_s(batch, self._mean_context()) * self.prefill_load.slowdown(
             now, batch - 1)
         views = []
-        for ticket in self._running.values():
+        for ticket in self._running:
             request = ticket.request
             progress = self._server_progress(ticket, now)
             expected = max(self._expected_output(ticket), progress)
@@ -755,7 +605,7 @@ class AdmissionController:
 
     def _schedule_now(self) -> ReleaseSchedule:
         if self._schedule is None:
-            running = list(self._running.values())
+            running = list(self._running)
             duration = (sum(t.cost.prefill_s + t.cost.decode_s for t in running) / len(running)
                         if running else self._last_duration_s)
             self._schedule = ReleaseSchedule.build(self.running_requests(),
@@ -783,7 +633,7 @@ class AdmissionController:
         less what the server already holds for them)."""
         now = self.clock()
         growth = 0
-        for ticket in self._running.values():
+        for ticket in self._running:
             now_blocks = self._blocks_now(ticket, self._server_progress(ticket, now))
             held = max(0, now_blocks - ticket.cost.shared_blocks)
             growth += max(0, ticket.reserved_blocks - held)
@@ -847,26 +697,12 @@ class AdmissionController:
 
     # ---- introspection ----------------------------------------------------------------------
 
-    def prefix_state(self) -> dict[str, object]:
-        prefix = self.prefix
-        cached = len(self.event_cache) if self.event_cache is not None else None
-        return {
-            "source": self.prefix_source,
-            "block_size": prefix.block_size if prefix else None,
-            "held_prompt_blocks": self.ledger.held_prompt_blocks,
-            "saved_blocks": sum(t.cost.shared_blocks for t in self._running.values()),
-            "server_cached_blocks": cached if self.prefix_source == "events"
-            else len(self.traffic_cache),
-            "query_tokens": prefix.query_tokens if prefix else 0,
-            "predicted_hit_tokens": prefix.hit_tokens if prefix else 0,
-        }
-
     def request_states(self, limit: int = 256) -> list[dict[str, object]]:
         """The running requests (oldest first, at most `limit`): what each holds in the
         ledger now and what the server holds for it."""
         now = self.clock()
         states: list[dict[str, object]] = []
-        for ticket in itertools.islice(self._running.values(), limit):
+        for ticket in itertools.islice(self._running, limit):
             produced = self._server_progress(ticket, now)
             states.append({
                 "ticket": ticket.key,
@@ -887,7 +723,7 @@ class AdmissionController:
         return len(self._running)
 
     def tickets(self) -> list[Ticket]:
-        return list(self._running.values())
+        return list(self._running)
 
     def state(self) -> dict[str, object]:
         forecast = self.forecast()
@@ -914,7 +750,8 @@ class AdmissionController:
                 "overcommit_blocks": snapshot.overcommit_blocks,
                 "held_prompt_blocks": snapshot.held_prompt_blocks,
             },
-            "prefix": self.prefix_state(),
+            "prefix": self.sharing.state(
+                sum(t.cost.shared_blocks for t in self._running)),
             "requests": self.request_states(),
             "queue": {
                 "length": len(self.queue),

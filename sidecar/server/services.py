@@ -155,7 +155,7 @@ class Services:
 
     def _on_kv_events(self, events: Sequence[KVEvent]) -> None:
         if self.controller is not None:
-            self.controller.expects_events_since_s = None  # the stream is alive
+            self.controller.sharing.events_arrived()
         cache = self.event_cache
         if cache is None:
             return
@@ -196,7 +196,7 @@ class Services:
         subscriber, controller = self.kv_events, self.controller
         if subscriber is None or controller is None:
             return False
-        expected = controller.expects_events_since_s
+        expected = controller.sharing.expects_events_since_s
         return expected is not None and self.clock() - expected > (
             self.settings.kv_events_stale_s)
 
@@ -205,7 +205,7 @@ class Services:
         if controller is None:
             return
         fresh = self.event_cache is not None and not self.events_stale()
-        controller.use_events(self.event_cache if fresh else None)
+        controller.sharing.use_events(self.event_cache if fresh else None)
 
     # ---- wiring -----------------------------------------------------------------
 
@@ -248,7 +248,7 @@ class Services:
             if learned is not None and learned != self.learned:
                 self._rebuild(learned)
         if self.controller is not None:
-            self.controller.set_prefix_caching(self._prefix_caching(after))
+            self.controller.sharing.set_enabled(self._prefix_caching(after))
             self._update_prefix_source()
             self.controller.update_server(self._server_state(after))
         if self.calibrator is not None and self.served is not None:
@@ -422,7 +422,9 @@ class Services:
         others = max(0, (batch_at_start + now_running) // 2)
         slowdown = load.slowdown(ended_at, others) if load else 1.0
         context = ticket.request.prompt_tokens + output_tokens // 2
-        calibrator.observe_prefill(served, ticket.request.prompt_tokens, batch_at_start,
+        # Only the tokens it prefilled: prefix-cache hits were predicted as not computed.
+        prefilled = ticket.request.prompt_tokens - ticket.cost.cached_tokens
+        calibrator.observe_prefill(served, prefilled, batch_at_start,
                                    context, (first_token_at - ticket.admitted_s) / slowdown)
         if tpot is not None:
             calibrator.observe_decode(served, others + 1, context, tpot / slowdown)
@@ -479,7 +481,7 @@ class Services:
         if controller is None:
             return None
         metrics = view.metrics if view is not None else None
-        prefix = controller.prefix
+        prefix = controller.sharing.index
         subscriber = self.kv_events
         last_event = subscriber.last_event_s if subscriber else None
         return PrefixView(
