@@ -27,6 +27,14 @@ path's throughput ceiling on this machine.
 
 `--smoke` is the short version CI runs (two concurrency levels, one repetition,
 about half a minute).
+
+`--access-log-comparison` measures only what kvgate's access log costs: two kvgate
+processes in front of the same stub, one with the access log on (its default, one
+JSON line per request on stdout, here a file) and one with `--access-log off`, loaded
+in turn (the order alternating between repetitions) at the throughput ceiling (the
+zero-delay upstream, the highest concurrency level), non-streaming and streaming; it
+reports each one's throughput, p50 and CPU per 1,000 requests, and the access log's
+cost in throughput and in CPU per request (`bench/results/overhead_access_log.json`).
 """
 
 from __future__ import annotations
@@ -298,6 +306,8 @@ def kvgate_outcomes(url: str) -> dict[str, float]:
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    if args.access_log_comparison:
+        return access_log_comparison(args)
     levels = [int(x) for x in args.concurrency.split(",")]
     started_at = time.monotonic()
     report: dict[str, Any] = {
@@ -376,6 +386,171 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                 "runs": discarded}
     report["elapsed_s"] = round(time.monotonic() - started_at, 1)
     return report
+
+
+ACCESS_LOG_TARGETS = ("access_log_on", "access_log_off")
+
+
+def access_log_comparison(args: argparse.Namespace) -> dict[str, Any]:
+    """kvgate with its access log on and off, over the same stub and load."""
+    concurrency = max(int(x) for x in args.concurrency.split(","))
+    started_at = time.monotonic()
+    report: dict[str, Any] = {"benchmark": "overhead_access_log",
+                              **provenance("bench/overhead.py")}
+    args.retries_left = args.retries
+    discarded: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
+    with temporary_directory("kvgate-access-log-", keep=args.keep_logs) as tmp:
+        stub_port = free_port()
+        stub = Process("stub upstream", [
+            sys.executable, str(ROOT / "bench" / "stub_upstream.py"), "--port",
+            str(stub_port), "--ttft-ms", str(args.ttft_ms), "--token-interval-ms",
+            str(args.token_interval_ms), "--tokens", str(args.tokens)], tmp / "stub.log")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
+        kvgates: dict[str, Process] = {}
+        argvs: dict[str, list[str]] = {}
+        urls: dict[str, str] = {}
+        for target in ACCESS_LOG_TARGETS:
+            port = free_port()
+            argv = [sys.executable, "-m", "sidecar", "serve",
+                    "--upstream", f"http://127.0.0.1:{stub_port}",
+                    "--model-config", MODEL_PRESET, "--host", "127.0.0.1",
+                    "--port", str(port), "--mode", "enforce"]
+            if target == "access_log_off":
+                argv += ["--access-log", "off"]
+            # Its stdout (the access log when on) and stderr go to this file.
+            kvgates[target] = Process(target, argv, tmp / f"{target}.log", env=env, cwd=ROOT)
+            argvs[target] = ["kvgate", *argv[3:]]
+            urls[target] = f"http://127.0.0.1:{port}"
+        processes = [stub, *kvgates.values()]
+        try:
+            for process in processes:
+                process.start()
+            wait_http(f"http://127.0.0.1:{stub_port}/health", stub)
+            for target in ACCESS_LOG_TARGETS:
+                wait_http(urls[target] + "/readyz", kvgates[target], timeout_s=60)
+            report["setup"] = {
+                "kvgate": argvs,
+                "load": {"concurrency": concurrency, "repetitions": args.reps,
+                         "order": "alternating between repetitions",
+                         "request": f"POST /v1/completions, 256-byte prompt, max_tokens "
+                                    f"{args.tokens}"},
+                "upstream": "zero delay, 1 token (x-stub-* headers)",
+                "duration_s": args.ceiling_duration,
+            }
+            cells = []
+            for setting in ("ceiling",):
+                headers, duration = ZERO_DELAY, args.ceiling_duration
+                for mode in MODES:
+                    stream = mode == "streaming"
+                    samples: dict[str, list[dict[str, Any]]] = {t: [] for t in ACCESS_LOG_TARGETS}
+                    for rep in range(args.reps):
+                        order = ACCESS_LOG_TARGETS if rep % 2 == 0 else ACCESS_LOG_TARGETS[::-1]
+                        for target in order:
+                            result = _access_log_run(args, urls[target], kvgates[target],
+                                                     [p.pid for p in processes], concurrency,
+                                                     stream, duration, tmp, headers,
+                                                     discarded, setting, mode)
+                            samples[target].append(result)
+                            runs.append({"setting": setting, "mode": mode, "target": target,
+                                         "repetition": rep, "ok": result["ok"],
+                                         "sent": result["sent"],
+                                         "throughput_rps": result["throughput_rps"],
+                                         "p50_ms": rounded(percentile(result["latency_ms"], 50)),
+                                         "kvgate_cpu_s": result["kvgate_cpu_s"],
+                                         "wall_s": result["wall_s"],
+                                         "other_processes_cpu_share":
+                                             result["other_processes_cpu_share"]})
+                            sys.stderr.write(
+                                f"  {setting:>8} {mode:>14} {target:<15} {result['ok']:>6} ok "
+                                f"{result['throughput_rps']:>8.1f} req/s  kvgate cpu "
+                                f"{result['kvgate_cpu_s']:.2f} s\n")
+                    cells.append(_access_log_cell(setting, mode, concurrency, samples))
+            lines = sum(1 for line in (tmp / "access_log_on.log").read_text(
+                encoding="utf-8", errors="replace").splitlines() if line.startswith("{"))
+            report["access_log_lines_written"] = lines
+        finally:
+            for process in reversed(processes):
+                process.stop()
+    report["cells"] = cells
+    report["runs"] = runs
+    report["discarded_runs"] = {"rerun_when_other_load_above": args.max_other_load,
+                                "runs": discarded}
+    report["elapsed_s"] = round(time.monotonic() - started_at, 1)
+    return report
+
+
+def _access_log_run(args: argparse.Namespace, url: str, kvgate: Process, own: list[int],
+                    concurrency: int, stream: bool, duration: float, scratch: Path,
+                    headers: tuple[str, ...], discarded: list[dict[str, Any]], setting: str,
+                    mode: str) -> dict[str, Any]:
+    """One load run, again (within the rerun budget) while other processes were busy."""
+    while True:
+        args.quiet.wait()
+        before_kvgate, before_own = cpu_seconds(kvgate.pid), tree_cpu_seconds(own)
+        before_machine, load_before = system_cpu_seconds(), children_cpu()
+        started = time.monotonic()
+        result = run_load(url, args, concurrency, stream, duration, scratch, headers)
+        wall = time.monotonic() - started
+        kvgate_cpu = cpu_seconds(kvgate.pid) - before_kvgate
+        own_cpu = tree_cpu_seconds(own) - before_own + children_cpu() - load_before
+        machine = system_cpu_seconds() - before_machine
+        result["wall_s"] = round(wall, 4)
+        result["kvgate_cpu_s"] = round(kvgate_cpu, 4)
+        result["other_processes_cpu_share"] = round(
+            max(0.0, machine - own_cpu) / max(1e-9, wall) / (os.cpu_count() or 1), 3)
+        if result["other_processes_cpu_share"] <= args.max_other_load or args.retries_left <= 0:
+            return result
+        args.retries_left -= 1
+        discarded.append({"setting": setting, "mode": mode, "url": url,
+                          "other_processes_cpu_share": result["other_processes_cpu_share"]})
+
+
+def _access_log_cell(setting: str, mode: str, concurrency: int,
+                     samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    targets = {}
+    for target, results in samples.items():
+        latency = [v for r in results for v in r["latency_ms"]]
+        ok = sum(r["ok"] for r in results)
+        sent = sum(r["sent"] for r in results)
+        window = sum(r["window_s"] for r in results)
+        cpu = sum(r["kvgate_cpu_s"] for r in results)
+        targets[target] = {
+            "requests": ok,
+            "errors": sum(sum(r["errors"].values()) for r in results)
+            + sum(v for r in results for k, v in r["status"].items() if k != "200"),
+            "throughput_rps": rounded(ok / window if window else None, 1),
+            "throughput_rps_per_run": [r["throughput_rps"] for r in results],
+            "p50_ms": rounded(percentile(latency, 50)),
+            "p99_ms": rounded(percentile(latency, 99)),
+            "kvgate_cpu_s_per_1000": rounded(cpu / sent * 1000 if sent else None, 4),
+        }
+    on, off = targets["access_log_on"], targets["access_log_off"]
+    cost = None
+    if on["throughput_rps"] and off["throughput_rps"]:
+        cost = rounded(100 * (1 - on["throughput_rps"] / off["throughput_rps"]), 2)
+    cpu_cost = None
+    if on["kvgate_cpu_s_per_1000"] and off["kvgate_cpu_s_per_1000"]:
+        cpu_cost = rounded(100 * (on["kvgate_cpu_s_per_1000"] / off["kvgate_cpu_s_per_1000"]
+                                  - 1), 2)
+    return {"setting": setting, "mode": mode, "concurrency": concurrency, "targets": targets,
+            "throughput_cost_percent": cost, "cpu_per_request_cost_percent": cpu_cost}
+
+
+def print_access_log_report(report: dict[str, Any]) -> None:
+    print(f"\n{report['command']}  ({report['date']}, {report['machine']['cpu_model']}, "
+          f"{report['machine']['cpu_cores']} cores)\n")
+    rows = []
+    for cell in report["cells"]:
+        on, off = cell["targets"]["access_log_on"], cell["targets"]["access_log_off"]
+        rows.append([cell["setting"], cell["mode"], cell["concurrency"], off["throughput_rps"],
+                     on["throughput_rps"], cell["throughput_cost_percent"], off["p50_ms"],
+                     on["p50_ms"], off["kvgate_cpu_s_per_1000"], on["kvgate_cpu_s_per_1000"],
+                     cell["cpu_per_request_cost_percent"]])
+    print(render_table(["setting", "mode", "conc", "off req/s", "on req/s",
+                        "throughput cost %", "off p50 ms", "on p50 ms",
+                        "off CPU s/1000", "on CPU s/1000", "CPU cost %"], rows))
+    print(f"\naccess-log lines written: {report.get('access_log_lines_written')}")
 
 
 def nginx_version() -> str:
@@ -556,6 +731,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default 20; smoke 0)")
     parser.add_argument("--keep-logs", action="store_true",
                         help="keep the temporary directory (configs and logs)")
+    parser.add_argument("--access-log-comparison", action="store_true",
+                        help="only compare kvgate with its access log on and off (default "
+                             "output bench/results/overhead_access_log.json)")
     args = parser.parse_args(argv)
     smoke = args.smoke
     args.concurrency = args.concurrency or ("1,8" if smoke else "1,8,32,64")
@@ -571,12 +749,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.ceiling_duration = 1.0 if smoke else 4.0
     if args.out is None:
         args.out = (str(Path(tempfile.gettempdir()) / "kvgate-overhead-smoke.json") if smoke
-                    else str(RESULTS / "overhead.json"))
+                    else str(RESULTS / ("overhead_access_log.json" if args.access_log_comparison
+                                        else "overhead.json")))
     return args
 
 
+def print_any_report(report: dict[str, Any]) -> None:
+    if report.get("benchmark") == "overhead_access_log":
+        print_access_log_report(report)
+    else:
+        print_report(report)
+
+
 def main() -> int:
-    return benchmark_main("bench/overhead.py", parse_args, benchmark, print_report)
+    return benchmark_main("bench/overhead.py", parse_args, benchmark, print_any_report)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from support.access import access_log_checked  # noqa: F401 (autouse: every request logged once)
 from support.fault_proxy import (
     Fault,
     FaultProxy,

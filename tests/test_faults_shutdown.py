@@ -13,6 +13,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from support.access import access_log_checked  # noqa: F401 (autouse: every request logged once)
 from support.fault_proxy import Fault, FaultProxy, post_stream, until
 from support.sidecar import Sidecar
 from support.vllm_server import VllmServer

@@ -16,6 +16,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from support.access import access_log_checked  # noqa: F401 (autouse: every request logged once)
 from support.env import free_port, model_dir, vllm_python
 from support.fault_proxy import Fault, FaultProxy, post_stream, until
 from support.sidecar import Sidecar, running_on

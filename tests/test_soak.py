@@ -24,6 +24,17 @@ from typing import Any
 import aiohttp
 import pytest
 
+from support.access import (
+    COMPLETE,
+    CUT,
+    ERROR_EVENT,
+    LEFT,
+    NO_ANSWER,
+    PASSED,
+    ClientView,
+    answer_kind,
+    check_access_log,
+)
 from support.fault_proxy import Fault, FaultProxy, process_figures, until
 from support.sidecar import Sidecar, metric_value
 from support.vllm_server import VllmServer
@@ -66,11 +77,13 @@ def upstream_faults() -> list[Fault]:
 class Client:
     """One random client behaviour per request."""
 
-    def __init__(self, url: str, session: aiohttp.ClientSession, rng: random.Random) -> None:
+    def __init__(self, url: str, session: aiohttp.ClientSession, rng: random.Random,
+                 views: list[ClientView]) -> None:
         self.url = url
         self.session = session
         self.rng = rng
         self.outcomes: Counter[str] = Counter()
+        self.views = views  # what each client saw, for the access-log check
 
     def _body(self, max_tokens: int, *, chat: bool, stream: bool) -> dict[str, Any]:
         prompt = self.rng.choice(PROMPTS)
@@ -95,66 +108,95 @@ class Client:
         kind = self.rng.choices(
             ["stream", "whole", "leave-mid-stream", "leave-early", "bad", "never-fits",
              "large"], weights=[43, 15, 10, 10, 12, 5, 5])[0]
+        view = ClientView(f"soak-{len(self.views)}", self.url)  # (the rng stays the workload's)
+        self.views.append(view)
         try:
-            self.outcomes[f"{kind}:{await asyncio.wait_for(self._run(kind), 90)}"] += 1
+            self.outcomes[f"{kind}:{await asyncio.wait_for(self._run(kind, view), 90)}"] += 1
         except TimeoutError:
+            view.kind = LEFT
             self.outcomes[f"{kind}:client-timeout"] += 1
 
-    async def _run(self, kind: str) -> str:
+    async def _run(self, kind: str, view: ClientView) -> str:
         chat = self.rng.random() < 0.4
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        headers = self._headers()
+        headers = {**self._headers(), "x-request-id": view.request_id}
         if kind == "bad":
             async with self.session.post(self.url + "/v1/completions",
                                          data=self.rng.choice(BAD), headers={
-                                             "Content-Type": "application/json"}) as r:
-                await r.read()
+                                             "Content-Type": "application/json",
+                                             "x-request-id": view.request_id}) as r:
+                await refused(r, view)
                 return str(r.status)
         max_tokens = {"never-fits": 5000, "large": self.rng.randrange(200, 500)}.get(
             kind, self.rng.randrange(1, 24))
         stream = kind != "whole"
         body = self._body(max_tokens, chat=chat, stream=stream)
         if kind == "leave-early":  # while counted, queued or waiting for the first byte
-            request = asyncio.ensure_future(self._read(path, body, headers, 10**6))
+            request = asyncio.ensure_future(self._read(path, body, headers, 10**6, view))
             await asyncio.sleep(self.rng.uniform(0, 0.3))
             request.cancel()
             try:
                 return await request
             except asyncio.CancelledError:
+                view.kind = LEFT
                 return "left"
         events = self.rng.randrange(1, 4) if kind == "leave-mid-stream" else 10**6
         if kind == "large" and self.rng.random() < 0.5:
             events = self.rng.randrange(1, 20)
-        return await self._read(path, body, headers, events)
+        return await self._read(path, body, headers, events, view)
 
     async def _read(self, path: str, body: dict[str, Any], headers: dict[str, str],
-                    events: int) -> str:
+                    events: int, view: ClientView) -> str:
         try:
             async with self.session.post(self.url + path, json=body, headers=headers) as r:
-                if r.status != 200 or "text/event-stream" not in r.content_type:
+                view.status = r.status
+                if r.status != 200:
+                    await refused(r, view)
+                    return str(r.status)
+                if "text/event-stream" not in r.content_type:
                     await r.read()
+                    view.kind = COMPLETE
                     return str(r.status)
                 seen = 0
                 async for line in r.content:
                     if line.startswith(b"data: {\"error\""):
+                        view.kind = ERROR_EVENT
+                        view.code = json.loads(line[6:])["error"]["code"]
                         return "200+error-event"
                     if line.startswith(b"data: {"):
                         seen += 1
                         if seen >= events:
                             r.close()
+                            view.kind = LEFT
                             return "left-mid-stream"
+                view.kind = COMPLETE
                 return "200"
         except aiohttp.ClientPayloadError:
+            view.kind = CUT
             return "200+cut"
         except aiohttp.ClientConnectionError as exc:
+            view.kind = CUT if view.status is not None else NO_ANSWER
             return exc.__class__.__name__
 
 
-async def drive(url: str, count: int, rng: random.Random) -> Counter[str]:
+async def refused(response: aiohttp.ClientResponse, view: ClientView) -> None:
+    """A non-200 answer: kvgate's error (with its code) or the server's own."""
+    view.status = response.status
+    data = await response.read()
+    try:
+        code = json.loads(data)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        view.kind = PASSED
+        return
+    view.kind, view.code = answer_kind(code), code
+
+
+async def drive(url: str, count: int, rng: random.Random,
+                views: list[ClientView]) -> Counter[str]:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
     connector = aiohttp.TCPConnector(limit=CONCURRENCY)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
-        client = Client(url, session, rng)
+        client = Client(url, session, rng, views)
         queue: asyncio.Queue[int] = asyncio.Queue()
         for index in range(count):
             queue.put_nowait(index)
@@ -198,12 +240,13 @@ async def test_soak_with_random_faults_leaves_nothing_behind(
         sidecar = Sidecar(proxy.url, "--read-timeout-s", "1.5", "--queue-max-wait-s", "3",
                           "--metrics-interval-s", "0.5", "--metrics-stale-s", "3").start()
         try:
-            await drive(sidecar.url, WARMUP, rng)
+            views: list[ClientView] = []
+            await drive(sidecar.url, WARMUP, rng, views)
             proxy.set_faults(*upstream_faults())
             await settle(sidecar, small_kv_vllm)
             before = snapshot(sidecar)
             started = time.monotonic()
-            outcomes = await drive(sidecar.url, REQUESTS, rng)
+            outcomes = await drive(sidecar.url, REQUESTS, rng, views)
             elapsed = time.monotonic() - started
             proxy.clear()
             proxy.release_stalls()
@@ -261,3 +304,8 @@ async def test_soak_with_random_faults_leaves_nothing_behind(
     # No crash on the way, and a clean exit.
     assert " ERROR " not in log and "Traceback" not in log, log[-3000:]
     assert exit_code == 0
+    # Every request has exactly one access-log line, telling what its client saw.
+    assert sidecar.access_log is not None
+    lines = await asyncio.to_thread(check_access_log, sidecar.access_log, views)
+    sent = {view.request_id for view in views}
+    assert all(line["request_id"] in sent for line in lines), "a line no client sent"

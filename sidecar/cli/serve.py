@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import sys
 from collections.abc import Sequence
 from typing import Any, get_args
 
 from sidecar.cli.args import Parser
 from sidecar.model import ModelError
+from sidecar.server.access_log import AccessLogError, configure_logging
 from sidecar.server.app import serve
 from sidecar.server.settings import (
     BOOLEAN_FIELDS,
@@ -87,11 +87,10 @@ def run(argv: Sequence[str], prog: str = "kvgate serve") -> int:
         for line in exc.lines:
             sys.stderr.write(f"{prog}: error: {line}\n")
         return 2
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(settings.log_level)
     try:
         return asyncio.run(serve(settings))
-    except ModelError as exc:
+    except (ModelError, AccessLogError) as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")
         return 2
     except OSError as exc:

@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from sidecar.admission import Decision, Outcome
+from sidecar.server.access_log import DECISION, ERROR_CODE
 
 STATUS = {
     Outcome.NEVER_FITS: 400,
@@ -58,8 +59,10 @@ def error_response(
     headers = {}
     if retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(retry_after_s)))
-    return web.Response(status=status, text=json.dumps(body), content_type="application/json",
-                        headers=headers)
+    response = web.Response(status=status, text=json.dumps(body),
+                            content_type="application/json", headers=headers)
+    response[ERROR_CODE] = code  # for the access log
+    return response
 
 
 def rejection_response(decision: Decision) -> web.Response:
@@ -68,7 +71,7 @@ def rejection_response(decision: Decision) -> web.Response:
     kvgate: dict[str, Any] = {"outcome": decision.outcome.value, **decision.details}
     if decision.retry_after_s is not None:
         kvgate["retry_after_s"] = decision.retry_after_s
-    return error_response(
+    response = error_response(
         status,
         decision.reason,
         code=decision.outcome.value,
@@ -76,3 +79,5 @@ def rejection_response(decision: Decision) -> web.Response:
         kvgate=kvgate,
         retry_after_s=decision.retry_after_s if status != 400 else None,
     )
+    response[DECISION] = decision
+    return response

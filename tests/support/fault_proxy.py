@@ -41,6 +41,7 @@ import random
 import socket
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
@@ -49,6 +50,7 @@ from typing import Any, TypeVar
 import aiohttp
 from aiohttp import web
 
+from support import access
 from support.env import free_port
 
 T = TypeVar("T")
@@ -396,6 +398,7 @@ class StreamResult:
     error: dict[str, Any] | None = None  # an error event in the stream
     broken: str | None = None  # the stream ended in a transport error
     elapsed_s: float = 0.0
+    request_id: str = ""  # the x-request-id it was sent with
 
     @property
     def text(self) -> str:
@@ -405,32 +408,68 @@ class StreamResult:
 async def post_stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
                       headers: dict[str, str] | None = None,
                       on_event: Callable[[int], Any] | None = None) -> StreamResult:
-    """POST a generation request and read its answer, streamed or not, to the end."""
+    """POST a generation request and read its answer, streamed or not, to the end.
+    It carries an x-request-id, and what the client saw is kept for the access-log
+    check (`support.access`)."""
     started = time.monotonic()
-    async with session.post(url, json=body, headers=headers or {}) as response:
-        result = StreamResult(response.status, dict(response.headers))
-        content_type = response.headers.get("Content-Type", "")
-        try:
-            if "text/event-stream" not in content_type:
-                result.body = await response.json(content_type=None)
-            else:
-                async for line in response.content:
-                    if not line.startswith(b"data: "):
-                        continue
-                    payload = line[6:].strip()
-                    if payload == b"[DONE]":
-                        result.done = True
-                        continue
-                    event = json.loads(payload)
-                    if "error" in event:
-                        result.error = event["error"]
-                    else:
-                        result.events.append(event)
-                        if on_event is not None:
-                            await on_event(len(result.events))
-        except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
-            result.broken = exc.__class__.__name__
+    headers = dict(headers or {})
+    request_id = headers.setdefault("x-request-id", f"test-{uuid.uuid4().hex}")
+    view = access.sent(request_id, url)
+    try:
+        async with session.post(url, json=body, headers=headers) as response:
+            view.status = response.status
+            # The id kvgate used (its own when the client's was not usable).
+            request_id = view.request_id = response.headers.get("X-Request-Id", request_id)
+            result = await _read_answer(response, on_event)
+    except aiohttp.ClientConnectionError:
+        view.kind = access.NO_ANSWER
+        raise
     result.elapsed_s = time.monotonic() - started
+    result.request_id = request_id
+    view.kind, view.code = _view(result)
+    return result
+
+
+def _view(result: StreamResult) -> tuple[str, str | None]:
+    """What the client saw, in the terms of the access-log check."""
+    if result.status != 200:
+        body = result.body if isinstance(result.body, dict) else {}
+        error = body.get("error") if isinstance(body.get("error"), dict) else None
+        code = error.get("code") if error else None
+        return access.answer_kind(code), code
+    if result.error is not None:
+        return access.ERROR_EVENT, result.error.get("code")
+    if result.broken is not None:
+        return access.CUT, None
+    return access.COMPLETE, None
+
+
+async def _read_answer(response: aiohttp.ClientResponse,
+                       on_event: Callable[[int], Any] | None) -> StreamResult:
+    result = StreamResult(response.status, dict(response.headers))
+    content_type = response.headers.get("Content-Type", "")
+    try:
+        if "text/event-stream" not in content_type:
+            result.body = await response.json(content_type=None)
+        else:
+            async for line in response.content:
+                if not line.startswith(b"data: "):
+                    continue
+                payload = line[6:].strip()
+                if payload == b"[DONE]":
+                    result.done = True
+                    continue
+                event = json.loads(payload)
+                if "error" in event:
+                    result.error = event["error"]
+                else:
+                    result.events.append(event)
+                    if on_event is not None:
+                        await on_event(len(result.events))
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError) as exc:
+        result.broken = exc.__class__.__name__
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        result.body = None  # not JSON: the server's own answer, passed through
     return result
 
 

@@ -13,10 +13,13 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any
 
+from support.access import read_access_log
 from support.env import PYTHON, free_port
 
 # The CPU these tests run on, as kvgate's custom device figures (calibration refines them).
 CPU_DEVICE = ("--gpu-memory-gib", "24", "--gpu-bandwidth-gbps", "20", "--gpu-tflops", "0.5")
+# Every sidecar a test made, for the access-log check (`support.access`).
+SIDECARS: list[Sidecar] = []
 
 
 class Sidecar:
@@ -28,7 +31,13 @@ class Sidecar:
                      "127.0.0.1", "--port", str(self.port), *CPU_DEVICE, *args]
         self.env = {**os.environ, **(env or {})}
         self.log = tempfile.NamedTemporaryFile(prefix="kvgate-", suffix=".log", delete=False)
+        # The access log in a file of its own, unless the test says where it goes.
+        self.access_log: str | None = None
+        if "--access-log" not in args:
+            self.access_log = self.log.name.removesuffix(".log") + ".access.log"
+            self.args += ["--access-log", self.access_log]
         self.proc: subprocess.Popen[bytes] | None = None
+        SIDECARS.append(self)
 
     def start(self, ready_timeout_s: float = 60.0, wait_ready: bool = True) -> Sidecar:
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT,
@@ -97,6 +106,13 @@ class Sidecar:
             raise
         finally:
             self.log.close()
+
+    def access_lines(self) -> list[dict[str, Any]]:
+        """The access log's lines so far (written within ~50 ms of each request's end)."""
+        assert self.access_log is not None, "the access log is not in a file"
+        if not os.path.exists(self.access_log):
+            return []
+        return read_access_log(self.access_log)
 
     def log_text(self) -> str:
         if not self.log.closed:
