@@ -268,7 +268,7 @@ def simulate_burst(case: LatencyCase, efficiency: Efficiency) -> tuple[float, fl
     roofline = served.roofline
     capacity = served.capacity
     assert roofline is not None and capacity is not None
-    block = served.deployment.block_size
+    block = served.block_size
     budget_tokens = served.max_num_batched_tokens
     free_blocks = capacity.usable_blocks
     steps = _Steps(roofline)

@@ -67,7 +67,7 @@ class CostModel:
 
     @property
     def block_size(self) -> int:
-        return self.served.deployment.block_size
+        return self.served.block_size
 
     def blocks(self, tokens: int, sequences: int = 1) -> int:
         """KV blocks `sequences` sequences of `tokens` tokens hold once all of them are

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sidecar.cli.args import Parser, fraction, positive_float, positive_int
+from sidecar.cli.args import Parser, fraction, non_negative_int, positive_float, positive_int
 from sidecar.cli.model_source import read_model
 from sidecar.cli.table import render
 from sidecar.model import (
@@ -30,7 +30,7 @@ from sidecar.model import (
 from sidecar.model.gpu import with_overrides
 from sidecar.model.planning import DEFAULT_KV_MARGIN
 from sidecar.model.quantization import DTYPE_CHOICES
-from sidecar.model.served import KV_CACHE_DTYPES
+from sidecar.model.served import KV_CACHE_DTYPES, MAMBA_CACHE_MODES, STATE_DTYPES
 from sidecar.model.summary import PlanInput, compute_plan
 from sidecar.model.units import GIB
 
@@ -91,8 +91,26 @@ def build_parser(prog: str = "kvgate plan") -> Parser:
     vllm.add_argument("--max-model-len", type=positive_int, metavar="N",
                       help="context length per request (default: the model's "
                            "max_position_embeddings)")
-    vllm.add_argument("--block-size", type=positive_int, default=16, metavar="N",
-                      help="tokens per KV block (default: 16; vLLM on CPU uses 128)")
+    vllm.add_argument("--block-size", type=positive_int, metavar="N",
+                      help="tokens per KV block (default: vLLM's choice for the model: 16, "
+                           "64 with a DSA indexer, raised for Mamba hybrids; vLLM on CPU "
+                           "uses 128)")
+    vllm.add_argument("--mamba-cache-mode", choices=MAMBA_CACHE_MODES, metavar="MODE",
+                      help="Mamba / gated-delta-net state caching: align (2 state blocks "
+                           "per request) or none (1) (default: align with prefix caching, "
+                           "else none)")
+    vllm.add_argument("--mamba-cache-dtype", choices=STATE_DTYPES, default="auto",
+                      help="Mamba conv state dtype (default: auto, the model dtype)")
+    vllm.add_argument("--mamba-ssm-cache-dtype", choices=STATE_DTYPES, default="auto",
+                      help="Mamba temporal state dtype (default: auto, the family's "
+                           "default: float32 for Nemotron-H, the config's mamba_ssm_dtype "
+                           "for Qwen3.5, else the conv state dtype)")
+    vllm.add_argument("--num-speculative-tokens", type=non_negative_int, default=0,
+                      metavar="N", help="speculative tokens per step (MTP / EAGLE): more "
+                      "state blocks per request on Mamba hybrids (default: 0)")
+    vllm.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N",
+                      help="engines behind one server, each with its own KV pool; the "
+                           "capacity figures are per engine (default: 1)")
     vllm.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",
                       help="tokens per engine step (default: vLLM's default for the GPU)")
     vllm.add_argument("--max-num-seqs", type=positive_int, metavar="N",
@@ -124,7 +142,8 @@ def build_parser(prog: str = "kvgate plan") -> Parser:
     load.add_argument("--chain", metavar="IN:OUT,...",
                       help="a multi-call chain (agent/RAG), e.g. 1000:200,1500:300,2000:500: "
                            "prints its total latency")
-    load.add_argument("--no-prefix-cache", action="store_true",
+    load.add_argument("--no-prefix-cache", "--no-enable-prefix-caching",
+                      dest="no_prefix_cache", action="store_true",
                       help="the server runs without prefix caching: --chain calls re-prefill "
                       "their whole input and --shared-prefix-tokens shares nothing")
     load.add_argument("--shared-prefix-tokens", type=positive_int, metavar="T", default=0,
@@ -210,6 +229,12 @@ def plan_input(args: argparse.Namespace) -> PlanInput:
         max_num_seqs=args.max_num_seqs,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         available_kv_bytes=round(args.available_kv_gib * GIB) if args.available_kv_gib else None,
+        enable_prefix_caching=not args.no_prefix_cache,
+        mamba_cache_mode=args.mamba_cache_mode,
+        mamba_cache_dtype=args.mamba_cache_dtype,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        num_speculative_tokens=args.num_speculative_tokens,
+        data_parallel_size=args.data_parallel_size,
     )
     efficiency = load_efficiency(args.calibration)
     served = ServedModel(arch, deployment, gpu)

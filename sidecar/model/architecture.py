@@ -56,6 +56,41 @@ def kv_heads_per_rank(num_kv_heads: int, tp: int) -> int:
     return max(1, num_kv_heads // tp)
 
 
+@dataclass(frozen=True)
+class KVSettings:
+    """How the server stores caches: what a layer needs to build its KV specs.
+
+    - `element_bytes`: bytes per KV element (the KV cache dtype; auto = model dtype);
+    - `fp8_cache`: --kv-cache-dtype is an fp8 type;
+    - `ds_mla_fp8`: the GPU's sparse-MLA backend stores an fp8 cache as `fp8_ds_mla`
+      (FlashMLA on Hopper) rather than plain fp8 (FlashInfer on Blackwell);
+    - `model_element_bytes`: the model dtype, which Mamba conv state follows;
+    - `state_element_bytes` / `ssm_state_element_bytes`: --mamba-cache-dtype and
+      --mamba-ssm-cache-dtype resolved to bytes (None: auto);
+    - `state_blocks_per_request`, `state_block_tokens`: from the mamba cache mode;
+    - `speculative_tokens`: --num-speculative-tokens (widens the conv state).
+    """
+
+    element_bytes: int
+    tp: int = 1
+    fp8_cache: bool = False
+    ds_mla_fp8: bool = True
+    model_element_bytes: int = 2
+    state_element_bytes: int | None = None
+    ssm_state_element_bytes: int | None = None
+    state_blocks_per_request: int = 1
+    state_block_tokens: int | None = None
+    speculative_tokens: int = 0
+
+
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float": 4, "half": 2}
+
+
+def dtype_bytes(name: str) -> int | None:
+    """Bytes of a state dtype as configs and vLLM flags name it; None for auto."""
+    return _DTYPE_BYTES.get(name.removeprefix("torch."))
+
+
 class Mixer(Protocol):
     """The token-mixing half of a layer (attention or a state-space mixer)."""
 
@@ -63,7 +98,11 @@ class Mixer(Protocol):
 
     def params_per_rank(self, hidden: int, tp: int) -> ParamMap: ...
 
-    def kv_specs(self, element_bytes: int, tp: int, *, fp8_cache: bool) -> list[KVSpec]: ...
+    def kv_specs(self, settings: KVSettings) -> list[KVSpec]: ...
+
+    def tp_error(self, tp: int) -> str | None:
+        """Why this layer cannot be split over `tp` ranks, or None."""
+        ...
 
     def context_flops_per_token(self, context_tokens: int) -> float:
         """FLOPs one new token spends attending to `context_tokens` cached tokens."""
@@ -104,13 +143,21 @@ class GqaAttention:
         v = 0 if self.shared_kv else hidden * kv_rank * self.v_head_dim
         return {Role.ATTENTION: q_and_o + k + v}
 
-    def kv_specs(self, element_bytes: int, tp: int, *, fp8_cache: bool) -> list[KVSpec]:
-        heads = kv_heads_per_rank(self.num_kv_heads, tp)
+    def kv_specs(self, settings: KVSettings) -> list[KVSpec]:
+        heads = kv_heads_per_rank(self.num_kv_heads, settings.tp)
+        element_bytes = settings.element_bytes
         if self.window is not None:
             return [
                 SlidingWindowKV(heads, self.head_dim, self.v_head_dim, element_bytes, self.window)
             ]
         return [FullAttentionKV(heads, self.head_dim, self.v_head_dim, element_bytes)]
+
+    def tp_error(self, tp: int) -> str | None:
+        if self.num_heads % tp:
+            return f"--tp {tp} does not divide the {self.num_heads} attention heads"
+        if self.num_kv_heads % tp and tp % self.num_kv_heads:
+            return f"--tp {tp} and the {self.num_kv_heads} KV heads do not divide one another"
+        return None
 
     def context_flops_per_token(self, context_tokens: int) -> float:
         attended = context_tokens if self.window is None else min(context_tokens, self.window)
@@ -131,6 +178,8 @@ class MlaAttention:
     v_head_dim: int
     index_head_dim: int | None = None
     index_n_heads: int = 0
+    sparse: bool = False  # DSA (config has index_topk): 64-token blocks, fp8_ds_mla
+    indexer_cache: bool = True  # False where IndexCache shares another layer's indexer
 
     @property
     def _qk_head_dim(self) -> int:
@@ -162,19 +211,24 @@ class MlaAttention:
     def params_per_rank(self, hidden: int, tp: int) -> ParamMap:
         return {Role.ATTENTION: self._replicated(hidden) + self._split(hidden) / tp}
 
-    def kv_specs(self, element_bytes: int, tp: int, *, fp8_cache: bool) -> list[KVSpec]:
-        sparse = self.index_head_dim is not None
+    def kv_specs(self, settings: KVSettings) -> list[KVSpec]:
         specs: list[KVSpec] = [
             MlaKV(
                 self.kv_lora_rank,
                 self.qk_rope_head_dim,
-                element_bytes,
-                ds_fp8_layout=fp8_cache and sparse,
+                settings.element_bytes,
+                ds_fp8_layout=settings.fp8_cache and self.sparse and settings.ds_mla_fp8,
+                sparse=self.sparse,
             )
         ]
-        if self.index_head_dim is not None:
+        if self.index_head_dim is not None and self.indexer_cache:
             specs.append(IndexerKV(self.index_head_dim))
         return specs
+
+    def tp_error(self, tp: int) -> str | None:
+        if self.num_heads % tp:
+            return f"--tp {tp} does not divide the {self.num_heads} attention heads"
+        return None
 
     def context_flops_per_token(self, context_tokens: int) -> float:
         # Absorbed MLA decode attends in the latent space: QK over (latent + rope),
@@ -213,18 +267,23 @@ class CompressedAttention:
         )
         return {Role.ATTENTION: replicated + split / tp}
 
-    def kv_specs(self, element_bytes: int, tp: int, *, fp8_cache: bool) -> list[KVSpec]:
-        index_bytes = 0.5 if fp8_cache else float(element_bytes)
+    def kv_specs(self, settings: KVSettings) -> list[KVSpec]:
+        index_bytes = 0.5 if settings.fp8_cache else float(settings.element_bytes)
         return [
             CompressedKV(
                 self.ratio,
                 self.window,
                 self.head_dim,
                 self.index_head_dim if self.ratio == 4 else 0,
-                float(element_bytes),
+                float(settings.element_bytes),
                 index_bytes,
             )
         ]
+
+    def tp_error(self, tp: int) -> str | None:
+        if self.num_heads % tp:
+            return f"--tp {tp} does not divide the {self.num_heads} attention heads"
+        return None
 
     def context_flops_per_token(self, context_tokens: int) -> float:
         attended = min(context_tokens, self.window) + (
@@ -235,11 +294,40 @@ class CompressedAttention:
 
 @dataclass(frozen=True)
 class StateMixer:
-    """A recurrent mixer with constant per-sequence state (Mamba-2, gated delta net)."""
+    """A recurrent mixer with constant per-sequence state (Mamba-2, gated delta net).
+
+    The state is two tensors, as vLLM's `MambaStateShapeCalculator` shapes them per
+    TP rank: a conv state of (conv_kernel - 1 + speculative tokens) x conv_dim / tp
+    in the conv dtype (--mamba-cache-dtype, auto = the model dtype), and a temporal
+    state of (state_heads / tp) x state_head_elements in the SSM dtype
+    (--mamba-ssm-cache-dtype, auto = `default_ssm_dtype`, else the conv dtype).
+    conv_dim = conv_channels + n_groups x group_channels, where Mamba-2 replicates
+    its groups up to tp when tp does not divide them.
+    """
 
     mixer_params: int
-    state_elements: int  # conv + SSM state elements per sequence, whole model width
-    split_fraction: float = 1.0  # share of params and state that shards over TP
+    conv_channels: int
+    conv_kernel: int
+    state_heads: int
+    state_head_elements: int
+    n_groups: int = 0
+    group_channels: int = 0
+    default_ssm_dtype: str | None = None  # the family's default (Nemotron-H: float32)
+    split_fraction: float = 1.0  # share of params that shards over TP
+
+    @property
+    def state_elements(self) -> int:
+        """Conv + SSM state elements per sequence on one rank at TP 1."""
+        return self.conv_elements(1, 0) + self.state_heads * self.state_head_elements
+
+    def _groups(self, tp: int) -> int:
+        if not self.n_groups or self.n_groups % tp == 0:
+            return self.n_groups
+        return self.n_groups + tp - self.n_groups
+
+    def conv_elements(self, tp: int, speculative_tokens: int) -> int:
+        conv_dim = self.conv_channels + self._groups(tp) * self.group_channels
+        return (self.conv_kernel - 1 + speculative_tokens) * (conv_dim // tp)
 
     def params(self, hidden: int) -> ParamMap:
         return {Role.ATTENTION: float(self.mixer_params)}
@@ -248,10 +336,21 @@ class StateMixer:
         split = self.mixer_params * self.split_fraction
         return {Role.ATTENTION: self.mixer_params - split + split / tp}
 
-    def kv_specs(self, element_bytes: int, tp: int, *, fp8_cache: bool) -> list[KVSpec]:
-        split = self.state_elements * self.split_fraction
-        elements = self.state_elements - split + split / tp
-        return [StateKV(int(elements * element_bytes))]
+    def kv_specs(self, settings: KVSettings) -> list[KVSpec]:
+        tp = settings.tp
+        conv_bytes = settings.state_element_bytes or settings.model_element_bytes
+        ssm_bytes = (settings.ssm_state_element_bytes
+                     or (dtype_bytes(self.default_ssm_dtype) if self.default_ssm_dtype else None)
+                     or conv_bytes)
+        state = (self.conv_elements(tp, settings.speculative_tokens) * conv_bytes
+                 + self.state_heads // tp * self.state_head_elements * ssm_bytes)
+        return [StateKV(state, settings.state_blocks_per_request, settings.state_block_tokens)]
+
+    def tp_error(self, tp: int) -> str | None:
+        conv_dim = self.conv_channels + self._groups(tp) * self.group_channels
+        if self.state_heads % tp or conv_dim % tp:
+            return f"--tp {tp} does not divide the {self.state_heads} state heads"
+        return None
 
     def context_flops_per_token(self, context_tokens: int) -> float:
         return 0.0
@@ -267,8 +366,11 @@ class NoMixer:
     def params_per_rank(self, hidden: int, tp: int) -> ParamMap:
         return {}
 
-    def kv_specs(self, element_bytes: int, tp: int, *, fp8_cache: bool) -> list[KVSpec]:
+    def kv_specs(self, settings: KVSettings) -> list[KVSpec]:
         return []
+
+    def tp_error(self, tp: int) -> str | None:
+        return None
 
     def context_flops_per_token(self, context_tokens: int) -> float:
         return 0.0
@@ -291,6 +393,11 @@ class DenseMlp:
 
     def weight_params_read(self, hidden: int, tokens: int) -> ParamMap:
         return self.params(hidden)
+
+    def activation_width(self, tp: int) -> int:
+        """Elements per token the MLP keeps live at its peak on one rank: the gate/up
+        output and its activation."""
+        return int(3 * self.intermediate_size / tp)
 
 
 @dataclass(frozen=True)
@@ -332,6 +439,14 @@ class MoeMlp:
         routed = self.top_k * self._expert(hidden, self.expert_intermediate_size)
         return add_params({Role.EXPERTS: routed}, self._fixed(hidden))
 
+    def activation_width(self, tp: int) -> int:
+        """Elements per token at the MLP's peak on one rank: the top-k experts' and the
+        shared experts' gate/up outputs and activations, at most all experts'."""
+        per_token = self.top_k * self.expert_intermediate_size + self.shared_intermediate_size
+        width = min(3 * per_token / tp,
+                    3 * self.num_experts * self.expert_intermediate_size / tp)
+        return int(width)
+
     def experts_touched(self, tokens: int) -> float:
         """Expected distinct experts a batch of `tokens` tokens routes to (uniform routing)."""
         if tokens <= 0:
@@ -369,6 +484,9 @@ class ModelArchitecture:
     quantization: Mapping[str, object] | None = None
     vision_params: int = 0
     notes: tuple[str, ...] = field(default=())
+    # GPU generations (compute capability majors) on which vLLM serves this family's
+    # KV cache in fp8 when --kv-cache-dtype is auto (GLM-5 on Blackwell).
+    fp8_kv_default_on: tuple[int, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -429,12 +547,20 @@ class ModelArchitecture:
             *(layer.mlp.params_per_rank(self.hidden_size, tp) for layer in self.layers),
         )
 
-    def kv_specs(self, element_bytes: int, tp: int, *, fp8_cache: bool) -> list[KVSpec]:
+    def kv_specs(self, settings: KVSettings) -> list[KVSpec]:
         """One spec per cache-holding layer on one TP rank, in layer order."""
         specs: list[KVSpec] = []
         for layer in self.layers:
-            specs.extend(layer.mixer.kv_specs(element_bytes, tp, fp8_cache=fp8_cache))
+            specs.extend(layer.mixer.kv_specs(settings))
         return specs
+
+    def tp_error(self, tp: int) -> str | None:
+        """Why the model cannot be split over `tp` ranks, or None."""
+        for layer in self.layers:
+            error = layer.mixer.tp_error(tp)
+            if error is not None:
+                return f"{error} of {self.name}"
+        return None
 
     def linear_params_read(self, tokens: int) -> ParamMap:
         """Layer weights (no embeddings) a forward pass over `tokens` tokens reads."""

@@ -31,11 +31,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sidecar.model.kv_spec import CompositeKV, KVSpec, StateKV
-from sidecar.model.units import cdiv, round_up
+from sidecar.model.kv_spec import CompositeKV, KVSpec
+from sidecar.model.units import cdiv
 
-# Attention kernels need the block size raised for Mamba hybrids in multiples of this.
-_HYBRID_BLOCK_ALIGNMENT = 16
+# vLLM's default --block-size on CUDA, and the kernel block of its FlashAttention
+# backend (sizes must be multiples of it): Mamba hybrids raise the attention block size
+# in multiples of it.
+DEFAULT_BLOCK_SIZE = 16
+_ATTENTION_KERNEL_BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -112,16 +115,45 @@ class KVLayout:
         ]
 
 
-def build_layout(specs: Sequence[KVSpec], block_size: int) -> KVLayout:
-    """Group per-layer specs as vLLM does and size one block of the shared pool."""
+def resolve_block_size(specs: Sequence[KVSpec], block_size: int | None) -> int:
+    """The attention block size vLLM 0.32 runs with (its `cache_config.block_size`).
+
+    1. `--block-size` when given, else the block size the layer kinds' kernels need
+       (64 with a DSA indexer), else 16.
+    2. Mamba hybrids (`Platform._align_hybrid_block_size`, which overrides even a
+       given --block-size): the smallest multiple of max(16, block size) whose
+       attention page holds the largest state page, rounded up to a multiple of 16.
+       Worked example, Qwen3-Next at TP 1 in bf16: a gated-delta-net state of
+       3 x 8,192 x 2 B (conv) + 32 x 128 x 128 x 2 B (temporal) = 1,097,728 B, an
+       attention token of 2 x 256 x 2 x 2 = 2,048 B: 16 x cdiv(1,097,728, 16 x 2,048)
+       = 544 tokens.
+    """
+    if block_size is None:
+        block_size = max((size for spec in specs if (size := spec.kernel_block_size)),
+                         default=DEFAULT_BLOCK_SIZE)
+    state_pages = [page for spec in specs if (page := spec.state_page_bytes) is not None]
+    token_pages = [spec.page_bytes(1) for spec in specs if spec.state_page_bytes is None]
+    if not state_pages or not token_pages:
+        return block_size
+    per_token = max(token_pages)
+    alignment = max(_ATTENTION_KERNEL_BLOCK, block_size)
+    needed = alignment * cdiv(max(state_pages), alignment * per_token)
+    needed = _ATTENTION_KERNEL_BLOCK * cdiv(needed, _ATTENTION_KERNEL_BLOCK)
+    return max(block_size, needed)
+
+
+def build_layout(specs: Sequence[KVSpec], block_size: int | None) -> KVLayout:
+    """Group per-layer specs as vLLM does and size one block of the shared pool.
+    `block_size` is --block-size (None: vLLM's choice, see `resolve_block_size`)."""
     if not specs:
         return KVLayout((), 0)
+    block_size = resolve_block_size(specs, block_size)
     first = specs[0]
     if all(spec == first for spec in specs):
-        group = KVGroup(first, block_size, len(specs))
+        group = KVGroup(first, first.block_tokens or block_size, len(specs))
         return KVLayout((group,), group.page_bytes * len(specs))
-    if len({spec.slot_class for spec in specs}) == 1 and not any(
-        isinstance(spec, StateKV) for spec in specs
+    if len({spec.slot_class for spec in specs}) == 1 and all(
+        spec.state_page_bytes is None for spec in specs
     ):
         group = KVGroup(CompositeKV(tuple(specs)), block_size, len(specs))
         return KVLayout((group,), group.page_bytes)
@@ -129,16 +161,14 @@ def build_layout(specs: Sequence[KVSpec], block_size: int) -> KVLayout:
 
 
 def _hybrid_layout(specs: Sequence[KVSpec], block_size: int) -> KVLayout:
-    attention_block = _attention_block_for_state(specs, block_size)
-    sized = [(spec, block_size if isinstance(spec, StateKV) else attention_block)
-             for spec in specs]
+    sized = [(spec, spec.block_tokens or block_size) for spec in specs]
     max_page = max(spec.page_bytes(size) for spec, size in sized)
     unified: list[tuple[KVSpec, int]] = []
     for spec, size in sized:
         page = spec.page_bytes(size)
         if page == max_page:
             unified.append((spec, size))
-        elif not isinstance(spec, StateKV) and max_page % page == 0:
+        elif spec.state_page_bytes is None and max_page % page == 0:
             unified.append((spec, size * (max_page // page)))
         else:
             unified.append((spec.with_padded_page(max_page), size))
@@ -151,19 +181,6 @@ def _hybrid_layout(specs: Sequence[KVSpec], block_size: int) -> KVLayout:
     for (spec, size), count in buckets.items():
         groups.extend(KVGroup(spec, size, group_size) for _ in range(cdiv(count, group_size)))
     return KVLayout(tuple(groups), group_size * max_page)
-
-
-def _attention_block_for_state(specs: Sequence[KVSpec], block_size: int) -> int:
-    """Mamba hybrids: vLLM raises the attention block size until an attention page
-    is at least as large as the state page."""
-    states = [spec for spec in specs if isinstance(spec, StateKV)]
-    attention = [spec for spec in specs if not isinstance(spec, StateKV)]
-    if not states or not attention:
-        return block_size
-    state_page = max(spec.state_bytes for spec in states)
-    per_token = max(int(spec.token_bytes) for spec in attention) or 1
-    needed = round_up(cdiv(state_page, per_token), _HYBRID_BLOCK_ALIGNMENT)
-    return max(block_size, needed)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,10 @@ class Gpu:
     source: str = ""
     aliases: tuple[str, ...] = ()
     hop_latency_s: float = 0.0  # latency each all-reduce ring step adds (0 within a node)
+    # CUDA compute capability (major, minor); None for non-NVIDIA GPUs or unknown ones.
+    # vLLM picks attention backends by it: e.g. sparse MLA stores an fp8 cache as
+    # fp8_ds_mla on Hopper (9.x) and as plain fp8 on Blackwell (10.x).
+    compute_capability: tuple[int, int] | None = None
 
     def peak_flops(self, rate: ComputeRate) -> float:
         """Dense FLOP/s at the given rate, falling back to the best lower rate."""
@@ -123,6 +127,18 @@ def over_network(
     """
     return replace(gpu, name=f"{gpu.name} (TP across nodes)", interconnect_gbps=bandwidth_gbps,
                    hop_latency_s=hop_latency_s)
+
+
+# NVIDIA's CUDA GPU compute capability table (developer.nvidia.com/cuda-gpus).
+_CAPABILITY: dict[str, tuple[int, int]] = {
+    "A10G": (8, 6), "A10": (8, 6), "L4": (8, 9), "L40": (8, 9), "L40S": (8, 9),
+    "A100-40GB": (8, 0), "A100-80GB": (8, 0), "A100-80GB-PCIe": (8, 0),
+    "H100-SXM": (9, 0), "H100-PCIe": (9, 0), "H100-NVL": (9, 0), "GH200": (9, 0),
+    "H200": (9, 0), "B200": (10, 0), "RTX-4090": (8, 9), "RTX-3090": (8, 6),
+    "RTX-A5000": (8, 6), "RTX-6000-Ada": (8, 9), "T4": (7, 5),
+}
+CATALOGUE = tuple(replace(gpu, compute_capability=_CAPABILITY.get(gpu.name))
+                  for gpu in CATALOGUE)
 
 
 def _key(name: str) -> str:

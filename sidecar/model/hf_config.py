@@ -134,6 +134,8 @@ def parse_config(raw: Config, name: str = "model") -> ModelArchitecture:
         torch_dtype=_dtype(text, raw),
         quantization=_quantization(text, raw),
         vision_params=_vision_params(vision, hidden),
+        # vLLM's GlmMoeDsaForCausalLM switches an auto KV cache to fp8 on SM10x.
+        fp8_kv_default_on=(10,) if model_type == "glm_moe_dsa" else (),
     )
 
 
@@ -252,6 +254,10 @@ def _layer_kinds(cfg: Config, num_layers: int, model_type: str) -> list[str]:
     explicit = cfg.get("layer_types")
     if isinstance(explicit, list) and len(explicit) >= num_layers:
         return [_normalise_kind(str(kind)) for kind in explicit[:num_layers]]
+    interval = cfg.get("full_attention_interval")
+    if isinstance(interval, int) and interval > 0 and "linear_num_value_heads" in cfg:
+        # Qwen3-Next: gated delta net layers, every `interval`-th layer full attention.
+        return [FULL if (i + 1) % interval == 0 else LINEAR for i in range(num_layers)]
     pattern = cfg.get("hybrid_override_pattern")
     if isinstance(pattern, str) and len(pattern) >= num_layers:
         # Nemotron-H: M = Mamba-2, * = attention, - = MLP only (no cache).
@@ -303,14 +309,14 @@ def _mixer(
     if kind == NONE:
         return NoMixer()
     if kind == LINEAR:
-        return _gated_delta_net(r, hidden)
+        return _gated_delta_net(r, hidden, model_type)
     if kind == MAMBA:
-        return _mamba2(r, hidden)
+        return _mamba2(r, hidden, model_type)
     ratios = r.int_list("compress_ratios")
     if ratios is not None:
         return _compressed(r, hidden, ratios[index] if index < len(ratios) else 0)
     if cfg.get("kv_lora_rank"):
-        return _mla(r, hidden)
+        return _mla(r, hidden, index)
     heads = r.positive_int("num_attention_heads", "n_head", "num_heads")
     kv_heads = r.int_or(heads, "num_key_value_heads", "n_head_kv", "num_kv_heads")
     if cfg.get("multi_query") is True:
@@ -339,7 +345,21 @@ def _mixer(
     )
 
 
-def _mla(r: _Reader, hidden: int) -> MlaAttention:
+def _has_indexer_cache(cfg: Config, index: int) -> bool:
+    """DSA with IndexCache (`index_topk_freq` / `index_topk_pattern`): only some layers
+    compute (and cache) indexer keys; the others reuse them (vLLM's
+    DeepseekV2MLAAttention)."""
+    pattern = cfg.get("index_topk_pattern")
+    if isinstance(pattern, str | list) and pattern:
+        return not (index < len(pattern) and pattern[index] == "S")
+    freq = cfg.get("index_topk_freq") or 1
+    offset = cfg.get("index_skip_topk_offset")
+    offset = 2 if offset is None else int(offset)
+    return max(index - offset + 1, 0) % int(freq) == 0
+
+
+def _mla(r: _Reader, hidden: int, index: int) -> MlaAttention:
+    sparse = r.cfg.get("index_topk") is not None
     return MlaAttention(
         num_heads=r.positive_int("num_attention_heads"),
         q_lora_rank=r.optional_int("q_lora_rank") or None,
@@ -349,6 +369,8 @@ def _mla(r: _Reader, hidden: int) -> MlaAttention:
         v_head_dim=r.positive_int("v_head_dim"),
         index_head_dim=r.optional_int("index_head_dim"),
         index_n_heads=r.int_or(0, "index_n_heads"),
+        sparse=sparse,
+        indexer_cache=not sparse or _has_indexer_cache(r.cfg, index),
     )
 
 
@@ -363,8 +385,21 @@ def _compressed(r: _Reader, hidden: int, ratio: int) -> CompressedAttention:
     )
 
 
-def _gated_delta_net(r: _Reader, hidden: int) -> StateMixer:
-    """Qwen3-Next style gated delta net: conv state plus a per-head k x v state."""
+def _ssm_dtype_default(cfg: Config, model_type: str) -> str | None:
+    """The SSM state dtype a family asks vLLM for when --mamba-ssm-cache-dtype is auto:
+    Qwen3.5 its config's `mamba_ssm_dtype`, Nemotron-H its config's
+    `mamba_ssm_cache_dtype` or float32 (vLLM's model config defaults)."""
+    if model_type.startswith("qwen3_5"):
+        value = cfg.get("mamba_ssm_dtype")
+        return value if isinstance(value, str) else None
+    if model_type.startswith("nemotron_h"):
+        value = cfg.get("mamba_ssm_cache_dtype")
+        return value if isinstance(value, str) else "float32"
+    return None
+
+
+def _gated_delta_net(r: _Reader, hidden: int, model_type: str) -> StateMixer:
+    """Qwen3-Next / Qwen3.5 gated delta net: conv state plus a per-head k x v state."""
     nk = r.positive_int("linear_num_key_heads")
     nv = r.positive_int("linear_num_value_heads")
     dk = r.positive_int("linear_key_head_dim")
@@ -372,11 +407,12 @@ def _gated_delta_net(r: _Reader, hidden: int) -> StateMixer:
     kernel = r.int_or(4, "linear_conv_kernel_dim")
     conv_dim = 2 * nk * dk + nv * dv
     params = hidden * (conv_dim + nv * dv) + hidden * 2 * nv + conv_dim * kernel + nv * dv * hidden
-    state = (kernel - 1) * conv_dim + nv * dk * dv
-    return StateMixer(mixer_params=params, state_elements=state)
+    return StateMixer(mixer_params=params, conv_channels=conv_dim, conv_kernel=kernel,
+                      state_heads=nv, state_head_elements=dv * dk,
+                      default_ssm_dtype=_ssm_dtype_default(r.cfg, model_type))
 
 
-def _mamba2(r: _Reader, hidden: int) -> StateMixer:
+def _mamba2(r: _Reader, hidden: int, model_type: str) -> StateMixer:
     heads = r.positive_int("mamba_num_heads", "mamba_n_heads")
     head_dim = r.positive_int("mamba_head_dim", "mamba_d_head")
     d_state = r.positive_int("ssm_state_size", "mamba_d_state")
@@ -385,8 +421,10 @@ def _mamba2(r: _Reader, hidden: int) -> StateMixer:
     inner = heads * head_dim
     conv_dim = inner + 2 * groups * d_state
     params = hidden * (inner + conv_dim + heads) + conv_dim * kernel + inner * hidden
-    state = (kernel - 1) * conv_dim + heads * head_dim * d_state
-    return StateMixer(mixer_params=params, state_elements=state)
+    return StateMixer(mixer_params=params, conv_channels=inner, conv_kernel=kernel,
+                      state_heads=heads, state_head_elements=head_dim * d_state,
+                      n_groups=groups, group_channels=2 * d_state,
+                      default_ssm_dtype=_ssm_dtype_default(r.cfg, model_type))
 
 
 # ---- MLPs --------------------------------------------------------------------------

@@ -22,6 +22,10 @@ from dataclasses import dataclass
 
 from sidecar.model.units import cdiv
 
+# vLLM's DSA indexer kernels (DeepseekV32IndexerBackend) take only 64-token blocks on
+# CUDA, so vLLM serves MLA + indexer models at block size 64 unless told otherwise.
+SPARSE_MLA_BLOCK_TOKENS = 64
+
 
 @dataclass(frozen=True)
 class KVSpec(ABC):
@@ -65,6 +69,24 @@ class KVSpec(ABC):
     def recycles_blocks(self) -> bool:
         """True when blocks are freed while the request runs (sliding windows)."""
         return False
+
+    @property
+    def kernel_block_size(self) -> int | None:
+        """The block size this layer kind's kernels require when the server is started
+        without --block-size (vLLM's backend preference), or None for vLLM's default."""
+        return None
+
+    @property
+    def state_page_bytes(self) -> int | None:
+        """The page of a constant-size state (independent of the block size), or None
+        for caches that grow with the sequence."""
+        return None
+
+    @property
+    def block_tokens(self) -> int | None:
+        """Tokens per block when this kind keeps its own block size (vLLM's
+        mamba_block_size), else None: the group's block size."""
+        return None
 
     @property
     def prefix_shareable(self) -> bool:
@@ -197,6 +219,11 @@ class MlaKV(KVSpec):
     rope_dim: int
     element_bytes: int
     ds_fp8_layout: bool = False
+    sparse: bool = False  # DSA: the sparse MLA and indexer kernels take 64-token blocks
+
+    @property
+    def kernel_block_size(self) -> int | None:
+        return SPARSE_MLA_BLOCK_TOKENS if self.sparse else None
 
     @property
     def kind(self) -> str:
@@ -239,6 +266,10 @@ class IndexerKV(KVSpec):
     @property
     def kind(self) -> str:
         return "indexer"
+
+    @property
+    def kernel_block_size(self) -> int | None:
+        return SPARSE_MLA_BLOCK_TOKENS
 
     @property
     def token_bytes(self) -> float:
@@ -321,9 +352,18 @@ class CompressedKV(KVSpec):
 
 @dataclass(frozen=True)
 class StateKV(KVSpec):
-    """Constant per-sequence state (Mamba, linear attention): independent of length."""
+    """Constant per-sequence state (Mamba-2, gated delta net): independent of length.
+
+    vLLM holds `blocks_per_request` pages of it per request: 1 + speculative tokens
+    with mamba cache mode `none`; 2 + speculative tokens in mode `align` (the default
+    with prefix caching: the running state and the one at the last block boundary).
+    `block_tokens` is vLLM's mamba_block_size (max_model_len in mode `none`), or None
+    when it follows the attention block size (mode `align`).
+    """
 
     state_bytes: int
+    blocks_per_request: int = 1
+    state_block_tokens: int | None = None
 
     @property
     def kind(self) -> str:
@@ -340,11 +380,24 @@ class StateKV(KVSpec):
         return float(self.state_bytes)
 
     def blocks_held(self, tokens: int, block_size: int, in_flight_tokens: int) -> int:
-        return 1
+        return self.blocks_per_request
+
+    def blocks_in_step(
+        self, computed_tokens: int, new_tokens: int, settled_tokens: int, block_size: int
+    ) -> int:
+        return self.blocks_per_request
+
+    @property
+    def state_page_bytes(self) -> int | None:
+        return self.state_bytes
+
+    @property
+    def block_tokens(self) -> int | None:
+        return self.state_block_tokens
 
     @property
     def slot_class(self) -> Hashable:
-        return "state"
+        return ("state", self.blocks_per_request)
 
 
 @dataclass(frozen=True)
@@ -387,6 +440,18 @@ class PaddedKV(KVSpec):
     @property
     def prefix_shareable(self) -> bool:
         return self.inner.prefix_shareable
+
+    @property
+    def kernel_block_size(self) -> int | None:
+        return self.inner.kernel_block_size
+
+    @property
+    def state_page_bytes(self) -> int | None:
+        return None if self.inner.state_page_bytes is None else self.padded_page_bytes
+
+    @property
+    def block_tokens(self) -> int | None:
+        return self.inner.block_tokens
 
     @property
     def slot_class(self) -> Hashable:
@@ -437,6 +502,11 @@ class CompositeKV(KVSpec):
     @property
     def prefix_shareable(self) -> bool:
         return all(part.prefix_shareable for part in self.parts)
+
+    @property
+    def kernel_block_size(self) -> int | None:
+        return max((size for part in self.parts if (size := part.kernel_block_size)),
+                   default=None)
 
     @property
     def slot_class(self) -> Hashable:

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sidecar.model.architecture import DenseMlp, ModelArchitecture, MoeMlp
+from sidecar.model.architecture import ModelArchitecture
 from sidecar.model.units import GIB
 
 NON_TORCH_BYTES = int(0.4 * GIB)
@@ -79,16 +79,7 @@ def activation_peak_bytes(
     tp: int,
     activation_bytes: int = 2,
 ) -> int:
-    widest = 0
-    for layer in arch.layers:
-        mlp = layer.mlp
-        if isinstance(mlp, MoeMlp):
-            per_token = mlp.top_k * mlp.expert_intermediate_size + mlp.shared_intermediate_size
-            width = 3 * per_token / tp
-            width = min(width, 3 * mlp.num_experts * mlp.expert_intermediate_size / tp)
-        elif isinstance(mlp, DenseMlp):
-            width = 3 * mlp.intermediate_size / tp
-        widest = max(widest, int(width))
+    widest = max((layer.mlp.activation_width(tp) for layer in arch.layers), default=0)
     tokens = max_num_batched_tokens
     moe_tokens = min(tokens, _MOE_CHUNK_TOKENS) if arch.is_moe else tokens
     per_token = widest * activation_bytes

@@ -67,7 +67,7 @@ def steady_latency(
     concurrency = max(1, concurrency)
     mid_context = prompt_tokens + output_tokens // 2
     others = (mid_context,) * (concurrency - 1)
-    cached = prefix_hit_tokens(cached_tokens, prompt_tokens, served.deployment.block_size)
+    cached = prefix_hit_tokens(cached_tokens, prompt_tokens, served.block_size)
     prefill = served.ttft(prompt_tokens - cached, others, cached)
     decode = served.tpot((mid_context,) * concurrency)
     assert prefill is not None and decode is not None
@@ -207,7 +207,7 @@ def chain(
         return None
     estimates: list[ChainCallEstimate] = []
     previous_context = 0
-    block_size = served.deployment.block_size
+    block_size = served.block_size
     for call in calls:
         cached = 0
         if prefix_cache and previous_context and call.input_tokens >= previous_context:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from sidecar.model.architecture import GqaAttention, MlaAttention, ModelArchitecture
+from sidecar.model.architecture import KVSettings, ModelArchitecture, dtype_bytes
 from sidecar.model.capacity import KVCapacity, KVLayout, build_layout, kv_capacity
 from sidecar.model.errors import DeploymentError
 from sidecar.model.gpu import Gpu
@@ -25,6 +25,8 @@ from sidecar.model.units import GIB
 from sidecar.model.weights import WeightFootprint, weight_footprint
 
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16")
+MAMBA_CACHE_MODES = ("align", "none")
+STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -36,12 +38,25 @@ class Deployment:
     kv_cache_dtype: str = "auto"
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
-    block_size: int = 16
+    block_size: int | None = None  # None: vLLM's choice (16; 64 with DSA; hybrids align)
     max_num_batched_tokens: int | None = None
     max_num_seqs: int | None = None
     max_concurrent_batches: int = 1
     num_gpu_blocks_override: int | None = None
     available_kv_bytes: int | None = None  # as logged: "Available KV cache memory"
+    enable_prefix_caching: bool = True
+    mamba_cache_mode: str | None = None  # None: align with prefix caching, else none
+    mamba_cache_dtype: str = "auto"  # conv state; auto = the model dtype
+    mamba_ssm_cache_dtype: str = "auto"  # temporal state; auto = the family's default
+    num_speculative_tokens: int = 0
+    data_parallel_size: int = 1  # engines, each with its own KV pool
+
+    @property
+    def resolved_mamba_cache_mode(self) -> str:
+        """vLLM's MambaModelConfig: `align` when prefix caching is on, else `none`."""
+        if not self.enable_prefix_caching:
+            return "none"
+        return self.mamba_cache_mode or "align"
 
     def validated(self, arch: ModelArchitecture) -> Deployment:
         positive = {
@@ -67,23 +82,24 @@ class Deployment:
             raise DeploymentError("--available-kv-gib must be positive")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
             raise DeploymentError("--num-gpu-blocks-override must be positive")
-        _check_tp(arch, self.tp)
-        return self
-
-
-def _check_tp(arch: ModelArchitecture, tp: int) -> None:
-    for layer in arch.layers:
-        mixer = layer.mixer
-        if isinstance(mixer, GqaAttention | MlaAttention) and mixer.num_heads % tp:
+        if self.mamba_cache_mode is not None and self.mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise DeploymentError(
-                f"--tp {tp} does not divide the {mixer.num_heads} attention heads of {arch.name}"
+                f"--mamba-cache-mode must be one of {', '.join(MAMBA_CACHE_MODES)}, "
+                f"got {self.mamba_cache_mode!r}"
             )
-        if isinstance(mixer, GqaAttention):
-            kv = mixer.num_kv_heads
-            if kv % tp and tp % kv:
+        for flag, state_dtype in (("--mamba-cache-dtype", self.mamba_cache_dtype),
+                                  ("--mamba-ssm-cache-dtype", self.mamba_ssm_cache_dtype)):
+            if state_dtype not in STATE_DTYPES:
                 raise DeploymentError(
-                    f"--tp {tp} and the {kv} KV heads of {arch.name} do not divide one another"
-                )
+                    f"{flag} must be one of {', '.join(STATE_DTYPES)}, got {state_dtype!r}")
+        if self.num_speculative_tokens < 0:
+            raise DeploymentError("--num-speculative-tokens must not be negative")
+        if self.data_parallel_size < 1:
+            raise DeploymentError("--data-parallel-size must be a positive integer")
+        error = arch.tp_error(self.tp)
+        if error is not None:
+            raise DeploymentError(error)
+        return self
 
 
 def server_defaults(gpu: Gpu | None) -> tuple[int, int]:
@@ -153,21 +169,59 @@ class ServedModel:
 
     # ---- KV cache ----------------------------------------------------------------
 
+    @property
+    def compute_capability_major(self) -> int | None:
+        capability = None if self.gpu is None else self.gpu.compute_capability
+        return None if capability is None else capability[0]
+
+    @cached_property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache dtype the server runs with: --kv-cache-dtype, where vLLM's
+        family default for the GPU applies (GLM-5 on Blackwell: fp8)."""
+        dtype = self.deployment.kv_cache_dtype
+        if dtype == "auto" and self.compute_capability_major in self.arch.fp8_kv_default_on:
+            return "fp8_e4m3"
+        return dtype
+
     @cached_property
     def kv_element_bytes(self) -> int:
-        return kv_element_bytes(self.deployment.kv_cache_dtype, served_dtype(self.arch.torch_dtype))
+        return kv_element_bytes(self.kv_cache_dtype, served_dtype(self.arch.torch_dtype))
+
+    @cached_property
+    def kv_settings(self) -> KVSettings:
+        deployment = self.deployment
+        align = deployment.resolved_mamba_cache_mode == "align"
+        spec_tokens = deployment.num_speculative_tokens
+        return KVSettings(
+            element_bytes=self.kv_element_bytes,
+            tp=deployment.tp,
+            fp8_cache=self.kv_cache_dtype.startswith("fp8"),
+            # FlashMLA's sparse backend (Hopper, and the default without a GPU) stores
+            # fp8 as fp8_ds_mla; Blackwell's FlashInfer sparse backend as plain fp8.
+            ds_mla_fp8=self.compute_capability_major != 10,
+            model_element_bytes=max(1, int(served_dtype(self.arch.torch_dtype)
+                                           .bytes_per_weight)),
+            state_element_bytes=dtype_bytes(deployment.mamba_cache_dtype),
+            ssm_state_element_bytes=dtype_bytes(deployment.mamba_ssm_cache_dtype),
+            state_blocks_per_request=(2 if align else 1) + spec_tokens,
+            state_block_tokens=None if align else self.max_model_len,
+            speculative_tokens=spec_tokens,
+        )
 
     @cached_property
     def kv_specs(self) -> list[KVSpec]:
-        return self.arch.kv_specs(
-            self.kv_element_bytes,
-            self.deployment.tp,
-            fp8_cache=self.deployment.kv_cache_dtype.startswith("fp8"),
-        )
+        return self.arch.kv_specs(self.kv_settings)
 
     @cached_property
     def layout(self) -> KVLayout:
         return build_layout(self.kv_specs, self.deployment.block_size)
+
+    @property
+    def block_size(self) -> int:
+        """The attention block size vLLM runs with (its cache_config.block_size)."""
+        sizes = [group.block_size for group in self.layout.groups
+                 if group.spec.state_page_bytes is None]
+        return min(sizes, default=self.deployment.block_size or 16)
 
     @property
     def kv_bytes_per_token(self) -> float:

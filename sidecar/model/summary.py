@@ -64,7 +64,7 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
         "tp": served.deployment.tp,
         "weight_precision": served.weight_precision.label,
         "kv_cache_element_bytes": served.kv_element_bytes,
-        "block_size": served.deployment.block_size,
+        "block_size": served.block_size,
         "max_model_len": served.max_model_len,
         "max_num_batched_tokens": served.max_num_batched_tokens,
         "params_total": arch.params_total(),

@@ -471,7 +471,7 @@ def tokens_reported(served: ServedModel, engine: str) -> int:
     capacity = served.capacity
     assert capacity is not None
     if engine == "v0":
-        return capacity.num_blocks * served.deployment.block_size
+        return capacity.num_blocks * served.block_size
     return capacity.kv_capacity_tokens
 
 
