@@ -14,6 +14,7 @@ KV-cache-aware admission control for vLLM.
 commands:
   serve     run the sidecar in front of a vLLM server (admit, queue or reject by prediction)
   plan      plan a deployment offline: KV capacity as vLLM logs it, latency, max-num-seqs
+  simulate  replay a trace in an engine simulator, vLLM alone vs through kvgate (what-if)
   presets   list the bundled model configs usable as --model / --model-config
   gpus      list the GPU catalogue and its figures
 
@@ -67,6 +68,10 @@ def _dispatch(args: list[str]) -> int:
         from sidecar.cli.plan import run as run_plan
 
         return run_plan(rest)
+    if command == "simulate":
+        from sidecar.cli.simulate import run as run_simulate
+
+        return run_simulate(rest)
     if command == "serve":
         from sidecar.cli.serve import run as run_serve
 

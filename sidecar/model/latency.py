@@ -38,6 +38,7 @@ fitted once to the public measurements in the project's test data (see
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
@@ -236,9 +237,11 @@ class Roofline:
             middle = chunk.cached_tokens + chunk.new_tokens // 2
             attention_flops += chunk.new_tokens * arch.context_flops_per_token(middle)
             kv_read += self._kv_bytes(chunk.cached_tokens)
-        for context in decode_contexts:
-            attention_flops += arch.context_flops_per_token(context)
-            kv_read += self._kv_bytes(context)
+        # Batches share context lengths (a simulated batch is one length): each
+        # distinct length is priced once.
+        for context, count in Counter(decode_contexts).items():
+            attention_flops += count * arch.context_flops_per_token(context)
+            kv_read += count * self._kv_bytes(context)
         flops = (linear_flops + attention_flops) / self.tp
         kv_write = new_tokens * self._kv_token_bytes()
         weight_bytes = self.weights.bytes_read_per_step(expert_fraction_read(arch, new_tokens))

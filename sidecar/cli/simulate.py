@@ -1,0 +1,238 @@
+"""`kvgate simulate`: replay a trace against the served model in the engine simulator,
+as vLLM alone and as kvgate would gate it.
+
+Imports only the pure model, like `kvgate plan`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from sidecar.cli.args import Parser, fraction, positive_float, positive_int
+from sidecar.cli.model_source import read_model
+from sidecar.cli.plan import _gpu_from_args, load_efficiency
+from sidecar.cli.table import render
+from sidecar.model import Deployment, ModelError, ServedModel, gpu_names
+from sidecar.model.quantization import DTYPE_CHOICES
+from sidecar.model.served import KV_CACHE_DTYPES
+from sidecar.model.simulator import EngineConfig, KvgateGate, Trace, parse_trace, simulate
+from sidecar.model.units import GIB
+
+DESCRIPTION = """\
+Replay a trace of requests against a model served by vLLM, in kvgate's engine
+simulator: vLLM V1's scheduling loop step by step (continuous batching, chunked
+prefill within --max-num-batched-tokens, --max-num-seqs, KV blocks per request with
+prefix caching, preemption by recompute when the cache is full), each step priced by
+kvgate's roofline. It runs the trace twice:
+
+  vLLM alone      every request goes straight to vLLM's queue;
+  through kvgate  a request is sent only when the KV blocks reserved for the requests
+                  already sent (each at its peak) fit in --kv-target-ratio of the
+                  cache; the others wait in arrival order, and a request that can
+                  never fit is refused (never_fits).
+
+and prints, for each, TTFT, TPOT, inter-token latency and end-to-end time
+(p50/p90/p99), throughput, preemptions and KV use: a what-if for tuning
+--max-num-seqs, the KV cache size and the target ratio before serving.
+
+The trace is JSON lines, one request each:
+  {"arrival_s": 0.0, "prompt_tokens": 512, "output_tokens": 128}
+  {"arrival_s": 0.1, "prompt_tokens": 900, "output_tokens": 64,
+   "prefix_group": "agent", "prefix_tokens": 700, "priority": 0}
+arrival_s is seconds from the start; prefix_group/prefix_tokens say which requests
+share their first tokens (a system prompt); lower priority values go first with
+--policy priority. Times are the roofline's: calibrate it (--calibration) for a
+specific server.
+"""
+
+EPILOG = """\
+examples:
+  kvgate simulate --model Qwen/Qwen3-8B --gpu H100 --trace trace.jsonl
+  kvgate simulate --model meta-llama/Meta-Llama-3.1-8B --gpu L40S --max-num-seqs 64 \\
+      --num-gpu-blocks-override 4000 --trace trace.jsonl --json
+
+Exit codes: 0 ok, 2 bad input (the message names what is wrong, for a trace its line
+and field). Known GPUs: """
+
+
+def build_parser(prog: str = "kvgate simulate") -> Parser:
+    parser = Parser(prog=prog, description=DESCRIPTION, epilog=EPILOG + ", ".join(gpu_names()),
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", required=True, metavar="M",
+                       help="a config.json, a directory holding one, a Hugging Face id or a "
+                            "preset name, as for `kvgate plan`")
+    model.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                       help="weight precision (default: auto)")
+    model.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                       help="KV cache element type (default: auto)")
+    gpu = parser.add_argument_group("GPU (needed: it prices every step)")
+    gpu.add_argument("--gpu", metavar="NAME", help="GPU from the catalogue, e.g. H100")
+    gpu.add_argument("--gpu-memory-gib", type=positive_float, metavar="X",
+                     help="runtime-visible memory per GPU in GiB")
+    gpu.add_argument("--gpu-bandwidth-gbps", type=positive_float, metavar="Y",
+                     help="memory bandwidth in GB/s")
+    gpu.add_argument("--gpu-tflops", type=positive_float, metavar="Z",
+                     help="dense bf16 TFLOP/s")
+    gpu.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                     help="tensor-parallel size (default: 1)")
+    vllm = parser.add_argument_group("vLLM settings")
+    vllm.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
+                      help="share of GPU memory vLLM may use (default: 0.9)")
+    vllm.add_argument("--max-model-len", type=positive_int, metavar="N",
+                      help="context length per request (default: the model's)")
+    vllm.add_argument("--block-size", type=positive_int, default=16, metavar="N",
+                      help="tokens per KV block (default: 16)")
+    vllm.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",
+                      help="tokens per engine step (default: vLLM's for the GPU)")
+    vllm.add_argument("--max-num-seqs", type=positive_int, metavar="N",
+                      help="vLLM's cap on running sequences (default: vLLM's)")
+    vllm.add_argument("--num-gpu-blocks-override", type=positive_int, metavar="N",
+                      help="a forced number of KV blocks")
+    vllm.add_argument("--available-kv-gib", type=positive_float, metavar="X",
+                      help="the KV budget per GPU vLLM logged ('Available KV cache memory')")
+    vllm.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs",
+                      help="vLLM's --scheduling-policy (default: fcfs)")
+    vllm.add_argument("--no-prefix-cache", action="store_true",
+                      help="the server runs without prefix caching")
+    sim = parser.add_argument_group("simulation")
+    sim.add_argument("--trace", type=Path, required=True, metavar="FILE",
+                     help="the requests: JSON lines (see above)")
+    sim.add_argument("--kv-target-ratio", type=fraction, default=0.95, metavar="F",
+                     help="share of the KV cache kvgate reserves up to (default: 0.95, "
+                          "as `kvgate serve`)")
+    sim.add_argument("--calibration", type=Path, metavar="FILE",
+                     help="efficiencies saved by a live sidecar (GET /kvgate/v1/calibration)")
+    sim.add_argument("--json", action="store_true", help="print one JSON object")
+    return parser
+
+
+def _served(args: argparse.Namespace) -> ServedModel:
+    arch = read_model(args.model)
+    gpu = _gpu_from_args(args)
+    if gpu is None:
+        raise ModelError("the simulator prices every step by roofline: give --gpu "
+                         "(or --gpu-memory-gib, --gpu-bandwidth-gbps and --gpu-tflops)")
+    deployment = Deployment(
+        tp=args.tp, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
+        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, num_gpu_blocks_override=args.num_gpu_blocks_override,
+        available_kv_bytes=round(args.available_kv_gib * GIB) if args.available_kv_gib else None,
+    )
+    served = ServedModel(arch, deployment, gpu)
+    efficiency = load_efficiency(args.calibration)
+    return served if efficiency is None else served.with_efficiency(efficiency)
+
+
+def _read_trace(path: Path) -> Trace:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ModelError(f"--trace {path}: cannot read ({exc.strerror})") from exc
+    except UnicodeDecodeError:
+        raise ModelError(f"--trace {path}: not UTF-8 text") from None
+    return Trace(parse_trace(text.splitlines(), str(path)))
+
+
+def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
+    served = _served(args)
+    trace = _read_trace(args.trace)
+    config = EngineConfig.of(served, policy=args.policy,
+                             prefix_caching=not args.no_prefix_cache)
+    alone = simulate(served, trace, config)
+    gated = simulate(served, trace, config, KvgateGate(args.kv_target_ratio))
+    requests = trace.requests
+    arrivals = [r.arrival_s for r in requests]
+    return {
+        "model": served.arch.name,
+        "gpu": served.gpu.name if served.gpu else None,
+        "tp": served.deployment.tp,
+        "settings": {
+            "max_num_seqs": config.max_num_seqs,
+            "max_num_batched_tokens": config.max_num_batched_tokens,
+            "block_size": served.deployment.block_size,
+            "usable_blocks": config.usable_blocks,
+            "policy": config.policy,
+            "prefix_caching": config.prefix_caching,
+            "kv_target_ratio": args.kv_target_ratio,
+        },
+        "trace": {
+            "path": str(args.trace),
+            "requests": len(requests),
+            "duration_s": max(arrivals) - min(arrivals),
+            "mean_prompt_tokens": sum(r.prompt_tokens for r in requests) / len(requests),
+            "mean_output_tokens": sum(r.output_tokens for r in requests) / len(requests),
+        },
+        "vllm": alone.summary(),
+        "kvgate": gated.summary(),
+    }
+
+
+def _ms(value: float | None) -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:,.1f} ms" if value < 1 else f"{value:,.2f} s"
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.2f}"
+
+
+def format_report(result: dict[str, Any]) -> str:
+    settings, trace = result["settings"], result["trace"]
+    head = (f"{result['model']} on {result['gpu']} x{result['tp']}: "
+            f"{settings['usable_blocks']:,} KV blocks of {settings['block_size']} tokens, "
+            f"--max-num-seqs {settings['max_num_seqs']}, --max-num-batched-tokens "
+            f"{settings['max_num_batched_tokens']:,}, {settings['policy']}, prefix cache "
+            f"{'on' if settings['prefix_caching'] else 'off'}")
+    lead = (f"Trace {trace['path']}: {trace['requests']:,} requests over "
+            f"{trace['duration_s']:,.1f} s, {trace['mean_prompt_tokens']:,.0f} prompt + "
+            f"{trace['mean_output_tokens']:,.0f} output tokens on average")
+    paths = (result["vllm"], result["kvgate"])
+
+    def row(label: str, cell: Any) -> list[str]:
+        return [label, *(cell(p) for p in paths)]
+
+    rows = [
+        row("served", lambda p: f"{p['completed']:,}"),
+        row("refused (never fits)", lambda p: f"{p['rejected']:,}"),
+        row("preemptions", lambda p: f"{p['preemptions']:,} ({p['preempted_requests']:,} "
+                                     f"requests)"),
+        row("tokens recomputed", lambda p: f"{p['recomputed_tokens']:,}"),
+        row("prefix-cache hits (tokens)", lambda p: f"{p['cached_tokens']:,}"),
+    ]
+    for key, label in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"),
+                       ("e2e_s", "E2E")):
+        rows.append(row(f"{label} p50 / p90 / p99",
+                        lambda p, k=key: " / ".join(_ms(p[k][q]) for q in ("p50", "p90",
+                                                                            "p99"))))
+    rows += [
+        row("throughput (requests/s)", lambda p: _rate(p["throughput_requests_per_s"])),
+        row("output tokens/s", lambda p: _rate(p["throughput_output_tokens_per_s"])),
+        row("KV blocks peak / mean", lambda p: f"{p['kv']['peak_blocks']:,} / "
+                                               f"{p['kv']['mean_blocks']:,.0f}"),
+        row("engine steps", lambda p: f"{p['steps']:,}"),
+        row("last request done", lambda p: _ms(p["makespan_s"])),
+    ]
+    table = render(rows, ["", "vLLM alone",
+                          f"through kvgate (target {settings['kv_target_ratio']:g})"])
+    return "\n".join([head, lead, "", table])
+
+
+def run(argv: Sequence[str], prog: str = "kvgate simulate") -> int:
+    parser = build_parser(prog)
+    args = parser.parse_args(argv)
+    try:
+        result = run_simulation(args)
+    except (ModelError, ValueError) as exc:
+        parser.error(str(exc))
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(format_report(result))
+    return 0

@@ -1,0 +1,334 @@
+"""The engine simulator (`model.simulator`) on cases checkable by hand against the
+roofline's own step prices, and `kvgate simulate`."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sidecar.cli.main import main
+from sidecar.model import Deployment, ServedModel, custom_gpu, parse_config
+from sidecar.model.latency import Prefill
+from sidecar.model.simulator import (
+    ClosedLoop,
+    EngineConfig,
+    KvgateGate,
+    Lengths,
+    OpenLoop,
+    SimRequest,
+    Trace,
+    TraceError,
+    parse_trace,
+    simulate,
+)
+
+from support.admission_fixtures import TINY_LLAMA
+
+SLIDING = {**TINY_LLAMA, "model_type": "mistral", "num_key_value_heads": 1, "head_dim": 32,
+           "sliding_window": 256, "max_position_embeddings": 4096}
+
+
+def served(blocks: int = 256, block: int = 16, chunk: int = 2048, seqs: int = 256,
+           config: dict[str, Any] | None = None, max_len: int = 4096) -> ServedModel:
+    return ServedModel(parse_config({**(config or TINY_LLAMA),
+                                     "max_position_embeddings": max_len}, "tiny"),
+                       Deployment(block_size=block, max_model_len=max_len,
+                                  num_gpu_blocks_override=blocks, max_num_batched_tokens=chunk,
+                                  max_num_seqs=seqs),
+                       custom_gpu(16, 100, 1))
+
+
+def exact(model: ServedModel, **changes: Any) -> EngineConfig:
+    """Step prices unrounded, so that times compare with the roofline exactly."""
+    config = EngineConfig.of(model, price_bits=0)
+    return EngineConfig(**{**config.__dict__, **changes})
+
+
+def run(model: ServedModel, requests: list[SimRequest], **changes: Any) -> Any:
+    return simulate(model, Trace(requests), exact(model, **changes))
+
+
+def test_one_request_alone_is_its_prefill_then_its_decode_steps() -> None:
+    model = served()
+    roofline = model.roofline
+    assert roofline is not None
+    result = run(model, [SimRequest(0.0, 300, 20)])
+    record = result.records[0]
+    prefill = roofline.prefill(300, (), 2048)  # per-request cost included
+    decode = sum(roofline.step((), (300 + p,)).seconds for p in range(1, 20))
+    assert record.ttft_s == pytest.approx(prefill.seconds, rel=1e-12)
+    assert record.e2e_s == pytest.approx(prefill.seconds + decode, rel=1e-12)
+    assert record.tpot_s == pytest.approx(decode / 19, rel=1e-12)
+    assert result.steps == 1 + 19
+    assert result.preemptions == 0
+    summary = result.summary()
+    assert summary["itl_s"]["mean"] == pytest.approx(decode / 19, rel=1e-12)
+    assert summary["completed"] == 1
+
+
+def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget() -> None:
+    model = served(chunk=256)
+    roofline = model.roofline
+    assert roofline is not None
+    result = run(model, [SimRequest(0.0, 1000, 2)])
+    chunks = [roofline.step([Prefill(size, done)]).seconds
+              for size, done in ((256, 0), (256, 256), (256, 512), (232, 768))]
+    assert result.steps == 4 + 1
+    assert result.records[0].ttft_s == pytest.approx(
+        model.efficiency.per_request_s + sum(chunks), rel=1e-12)
+    assert result.records[0].ttft_s == pytest.approx(
+        roofline.prefill(1000, (), 256).seconds, rel=1e-12)
+
+
+def test_decodes_share_the_budget_with_a_chunked_prefill() -> None:
+    # Budget 16: step 1 prefills A's 4 tokens and 12 of B's; then A decodes (1 token a
+    # step) and B gets 15 a step: 12 + 20 x 15 = 312 tokens end in step 21 (at 16 a
+    # step they would end in step 20).
+    model = served(chunk=16)
+    result = simulate(model, Trace([SimRequest(0.0, 4, 50), SimRequest(0.0, 312, 1)]),
+                      exact(model, kv_samples=1000))
+    a, b = result.records
+    step_ends = [when for when, _ in result.kv_samples]
+    assert b.first_token_s == pytest.approx(step_ends[20] + model.efficiency.per_request_s)
+    assert a.finish_s == pytest.approx(step_ends[49] + model.efficiency.per_request_s)
+    assert result.steps == 50
+
+
+def test_max_num_seqs_caps_the_batch() -> None:
+    model = served(seqs=2)
+    result = run(model, [SimRequest(0.0, 100, 30) for _ in range(4)])
+    a, b, c, d = result.records
+    assert a.finish_s == b.finish_s
+    assert c.first_token_s is not None and a.finish_s is not None
+    assert c.first_token_s > a.finish_s  # the third starts once the first two are done
+    assert c.finish_s == d.finish_s
+    assert result.steps == 2 * (1 + 29)
+
+
+def test_a_cache_too_small_preempts_and_every_request_still_completes() -> None:
+    # 19 usable blocks of 16 tokens; each request peaks at cdiv(100 + 150 - 1, 16) = 16.
+    model = served(blocks=20)
+    requests = [SimRequest(0.0, 100, 150) for _ in range(3)]
+    result = run(model, requests)
+    assert result.preemptions >= 1
+    assert all(r.finish_s is not None for r in result.records)
+    preempted = [r for r in result.records if r.preemptions]
+    assert preempted and all(r.recomputed_tokens >= 100 for r in preempted)
+    assert result.peak_blocks <= 19
+    assert result.summary()["recomputed_tokens"] == sum(r.recomputed_tokens for r in preempted)
+    # Through kvgate: one request at a time (16 + 16 > 0.95 x 19), no preemption.
+    gated = simulate(model, Trace(requests), exact(model), KvgateGate(0.95))
+    assert gated.preemptions == 0
+    assert all(r.finish_s is not None for r in gated.records)
+    assert gated.peak_blocks == 16 == model.lifecycle.peak_blocks(100, 150)
+
+
+def test_a_request_that_never_fits_is_refused_not_run() -> None:
+    model = served(blocks=10)
+    result = run(model, [SimRequest(0.0, 400, 10), SimRequest(0.0, 50, 10)])
+    big, small = result.records
+    assert big.rejected == "never_fits" and big.finish_s is None
+    assert small.finish_s is not None
+
+
+@pytest.mark.parametrize("config", [TINY_LLAMA, SLIDING], ids=["full", "sliding"])
+def test_blocks_held_alone_peak_where_the_lifecycle_says(config: dict[str, Any]) -> None:
+    # The simulator and admission read the same per-step holding.
+    model = served(config=config, chunk=128, block=32)
+    for prompt, output in ((450, 300), (100, 40), (33, 1)):
+        result = run(model, [SimRequest(0.0, prompt, output)])
+        assert result.peak_blocks == model.lifecycle.peak_blocks(prompt, output)
+
+
+def test_prefix_groups_skip_the_cached_prefill() -> None:
+    model = served()
+    first = SimRequest(0.0, 600, 5, "system", 512)
+    later = SimRequest(10.0, 600, 5, "system", 512)
+    result = run(model, [first, later])
+    a, b = result.records
+    assert a.cached_tokens == 0
+    assert b.cached_tokens == 512  # whole blocks of the shared prefix
+    assert b.ttft_s is not None and a.ttft_s is not None and b.ttft_s < a.ttft_s
+    roofline = model.roofline
+    assert roofline is not None
+    assert b.ttft_s == pytest.approx(roofline.prefill(88, (), 2048, 512).seconds, rel=1e-12)
+    off = simulate(model, Trace([first, later]), exact(model, prefix_caching=False))
+    assert off.records[1].cached_tokens == 0
+
+
+def test_running_requests_of_a_group_hold_its_prefix_once() -> None:
+    model = served()
+    group = [SimRequest(0.0, 600, 50, "system", 512)] + [
+        SimRequest(0.001 * i, 600, 50, "system", 512) for i in range(1, 4)]
+    alone = [SimRequest(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in group]
+    shared = run(model, group)
+    unshared = run(model, alone)
+    # The prefix is 32 blocks: the three later requests reuse them.
+    assert unshared.peak_blocks - shared.peak_blocks == 3 * 32
+    assert [r.cached_tokens for r in shared.records] == [0, 512, 512, 512]
+
+
+def test_fcfs_and_priority_order() -> None:
+    model = served(seqs=1)
+    requests = [SimRequest(0.0, 50, 10, priority=5), SimRequest(0.001, 50, 10, priority=5),
+                SimRequest(0.002, 50, 10, priority=0)]
+    fcfs = run(model, requests)
+    order = sorted(range(3), key=lambda i: fcfs.records[i].finish_s or 0)
+    assert order == [0, 1, 2]
+    prio = run(model, requests, policy="priority")
+    order = sorted(range(3), key=lambda i: prio.records[i].finish_s or 0)
+    assert order == [0, 2, 1]
+
+
+def test_priority_preempts_the_lowest_priority_running_request() -> None:
+    model = served(blocks=20)
+    requests = [SimRequest(0.0, 100, 150, priority=0), SimRequest(0.0, 100, 150, priority=9)]
+    result = run(model, requests, policy="priority")
+    high, low = result.records
+    assert high.preemptions == 0 and low.preemptions >= 1
+
+
+def test_runs_are_deterministic_for_a_seed() -> None:
+    model = served(blocks=64)
+    lengths = Lengths(200, 50, spread=0.5)
+
+    def open_loop(seed: int) -> dict[str, Any]:
+        return simulate(model, OpenLoop(50.0, 200, lengths, burst_size=4, seed=seed)).summary()
+
+    assert open_loop(3) == open_loop(3)
+    assert open_loop(3) != open_loop(4)
+    closed = [simulate(model, ClosedLoop(8, 100, lengths, think_s=0.05,
+                                         exponential_think=True, seed=1)).summary()
+              for _ in range(2)]
+    assert closed[0] == closed[1]
+    assert closed[0]["completed"] == 100
+
+
+def test_closed_loop_keeps_its_clients_busy() -> None:
+    model = served()
+    result = simulate(model, ClosedLoop(4, 12, Lengths(100, 10)), exact(model))
+    assert result.summary()["completed"] == 12
+    # Each client's next request arrives when its previous one finished.
+    arrivals = sorted(r.request.arrival_s for r in result.records)
+    finishes = sorted(r.finish_s or 0 for r in result.records)
+    assert arrivals[:4] == [0.0] * 4
+    assert arrivals[4:] == pytest.approx(finishes[:8])
+
+
+def test_ten_thousand_requests_run_quickly() -> None:
+    import time
+
+    model = served(blocks=4096)
+    started = time.process_time()
+    result = simulate(model, OpenLoop(200.0, 10_000, Lengths(256, 64, 0.5), seed=1))
+    assert result.summary()["completed"] == 10_000
+    assert time.process_time() - started < 6  # 2 s on a quiet core (bench/simulator_speed.py)
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ('{"arrival_s": 0, "prompt_tokens": 5', "line 2: not valid JSON"),
+    ('[1, 2]', "line 2: expected a JSON object"),
+    ('{"arrival_s": 0, "output_tokens": 5}', "line 2: missing field 'prompt_tokens'"),
+    ('{"arrival_s": -1, "prompt_tokens": 5, "output_tokens": 5}', "line 2: arrival_s must be"),
+    ('{"arrival_s": 0, "prompt_tokens": "5", "output_tokens": 5}',
+     "line 2: prompt_tokens must be an integer >= 1, got '5'"),
+    ('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 0}',
+     "line 2: output_tokens must be an integer >= 1"),
+    ('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": true}', "line 2: output_tokens"),
+    ('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5, "prefix_tokens": 4}',
+     "line 2: prefix_tokens needs a prefix_group"),
+    ('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5, "colour": 1}',
+     "line 2: unknown field 'colour'"),
+    ('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5, "priority": 1.5}',
+     "line 2: priority must be an integer"),
+])
+def test_bad_trace_lines_name_the_line_and_the_field(line: str, message: str) -> None:
+    good = '{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5}'
+    with pytest.raises(TraceError, match="^t.jsonl " + message.replace("[", r"\[")):
+        parse_trace([good, line], "t.jsonl")
+
+
+def test_a_trace_parses_with_comments_and_optional_fields() -> None:
+    lines = ["# a comment", "", '{"arrival_s": 1.5, "prompt_tokens": 10, "output_tokens": 3,'
+             ' "prefix_group": 7, "prefix_tokens": 4, "priority": -1}']
+    assert parse_trace(lines) == [SimRequest(1.5, 10, 3, "7", 4, -1)]
+    with pytest.raises(TraceError, match="no requests"):
+        parse_trace(["# nothing"])
+
+
+# ---- kvgate simulate -----------------------------------------------------------------
+
+
+def _cli(argv: list[str]) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = int(exc.code or 0)
+    return code, out.getvalue(), err.getvalue()
+
+
+@pytest.fixture
+def model_and_trace(tmp_path: Path) -> tuple[Path, Path]:
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**TINY_LLAMA, "max_position_embeddings": 4096}))
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps({"arrival_s": i * 0.001, "prompt_tokens": 100,
+                                           "output_tokens": 150}) for i in range(6)) + "\n")
+    return config, trace
+
+
+def test_simulate_command_compares_vllm_alone_with_kvgate(
+        model_and_trace: tuple[Path, Path]) -> None:
+    config, trace = model_and_trace
+    base = ["simulate", "--model", str(config), "--gpu", "L4", "--num-gpu-blocks-override",
+            "20", "--trace", str(trace)]
+    code, out, _ = _cli([*base, "--json"])
+    assert code == 0
+    result = json.loads(out)
+    assert set(result) >= {"model", "gpu", "settings", "trace", "vllm", "kvgate"}
+    assert result["settings"]["usable_blocks"] == 19
+    for path in ("vllm", "kvgate"):
+        summary = result[path]
+        assert set(summary) >= {"completed", "rejected", "ttft_s", "tpot_s", "itl_s", "e2e_s",
+                                "throughput_requests_per_s", "throughput_output_tokens_per_s",
+                                "preemptions", "recomputed_tokens", "steps", "kv"}
+        assert set(summary["ttft_s"]) == {"mean", "p50", "p90", "p99"}
+        assert summary["completed"] == 6
+    assert result["vllm"]["preemptions"] > 0
+    assert result["kvgate"]["preemptions"] == 0
+    code, out, _ = _cli(base)
+    assert code == 0
+    assert "vLLM alone" in out and "through kvgate" in out and "TTFT p50 / p90 / p99" in out
+
+
+def test_simulate_command_errors_are_one_line(model_and_trace: tuple[Path, Path],
+                                              tmp_path: Path) -> None:
+    config, trace = model_and_trace
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5}\n'
+                   '{"arrival_s": 0, "prompt_tokens": 5}\n')
+    code, _, err = _cli(["simulate", "--model", str(config), "--gpu", "L4",
+                         "--trace", str(bad)])
+    assert code == 2
+    assert f"{bad} line 2: missing field 'output_tokens'" in err
+    assert err.count("\n") == 1
+    code, _, err = _cli(["simulate", "--model", str(config), "--trace", str(trace)])
+    assert code == 2 and "give --gpu" in err
+    code, _, err = _cli(["simulate", "--model", str(config), "--gpu", "L4",
+                         "--trace", str(tmp_path / "missing.jsonl")])
+    assert code == 2 and "cannot read" in err
+
+
+def test_simulate_help_explains_the_command() -> None:
+    code, out, _ = _cli(["simulate", "--help"])
+    assert code == 0
+    assert "through kvgate" in out and "--trace" in out and "prefix_group" in out
+    code, out, _ = _cli(["--help"])
+    assert "simulate" in out
