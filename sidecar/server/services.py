@@ -65,7 +65,6 @@ log = logging.getLogger("kvgate")
 # Without GPU figures, predictions start from a fast generic device and calibrate
 # down from the live server's own timings (efficiencies can only lower a peak).
 GENERIC_DEVICE = custom_gpu(80, 8000, 2250, name="generic (no --gpu given)")
-DEFAULT_BLOCK_SIZE = 16
 CALIBRATION_PERIOD_S = 1.0
 CALIBRATION_CHANGE = 0.02
 
@@ -93,9 +92,10 @@ class LearnedServer:
     model_id: str
     root: str | None
     max_model_len: int
-    block_size: int
+    block_size: int | None  # None: the model's own (vLLM's choice for its layer kinds)
     num_blocks: int | None
     cache_dtype: str
+    prefix_caching: bool = True
 
 
 class Services:
@@ -282,9 +282,10 @@ class Services:
             model_id=model.id,
             root=model.root,
             max_model_len=max_len,
-            block_size=cache.block_size or self.settings.block_size or DEFAULT_BLOCK_SIZE,
+            block_size=cache.block_size or self.settings.block_size,
             num_blocks=cache.num_gpu_blocks,
             cache_dtype=dtype,
+            prefix_caching=self._prefix_caching(view),
         )
 
     def _architecture(self, learned: LearnedServer) -> ModelArchitecture | None:
@@ -321,6 +322,13 @@ class Services:
             block_size=learned.block_size,
             max_num_batched_tokens=self.settings.max_num_batched_tokens,
             num_gpu_blocks_override=learned.num_blocks,
+            enable_prefix_caching=learned.prefix_caching,
+            mamba_cache_mode=(None if self.settings.mamba_cache_mode == "auto"
+                              else self.settings.mamba_cache_mode),
+            mamba_cache_dtype=self.settings.mamba_cache_dtype,
+            mamba_ssm_cache_dtype=self.settings.mamba_ssm_cache_dtype,
+            num_speculative_tokens=self.settings.num_speculative_tokens,
+            data_parallel_size=self.settings.data_parallel_size,
         )
         try:
             served = ServedModel(arch, deployment, self.gpu or GENERIC_DEVICE)

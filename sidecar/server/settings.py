@@ -80,6 +80,22 @@ class ServeSettings(BaseModel):
         None, description="where kvgate subscribes to vLLM's KV cache events (vLLM's "
         "--kv-events-config endpoint, seen from kvgate), e.g. ipc:///run/kvgate/kv-events.sock "
         "or tcp://127.0.0.1:5557")
+    mamba_cache_mode: Literal["auto", "align", "none"] = Field(
+        "auto", description="the server's --mamba-cache-mode (Mamba / gated-delta-net "
+        "hybrids): align holds 2 state blocks per request, none 1; auto: align with prefix "
+        "caching, else none (vLLM's default)")
+    mamba_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the server's --mamba-cache-dtype (conv state; auto: the model "
+        "dtype)")
+    mamba_ssm_cache_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the server's --mamba-ssm-cache-dtype (temporal state; auto: "
+        "the model family's default)")
+    num_speculative_tokens: int = Field(
+        0, ge=0, le=64, description="the server's speculative tokens per step (MTP, EAGLE, "
+        "n-gram): more state blocks per request on Mamba hybrids")
+    data_parallel_size: int = Field(
+        1, ge=1, le=1024, description="the server's --data-parallel-size: engines with a KV "
+        "pool each; a request lands on one of them")
     connect_timeout_s: float = Field(5.0, gt=0, description="upstream connect timeout")
     read_timeout_s: float = Field(600.0, gt=0,
                                   description="longest silence while reading an upstream response")
