@@ -1,8 +1,11 @@
 """The benchmarks' short versions run, stop by themselves and write sane JSON.
 
-`bench/overhead.py --smoke` (stub upstream, nginx, kvgate; about half a minute) and
+`bench/overhead.py --smoke` (stub upstream, nginx, kvgate; about half a minute),
 `bench/admission_quality.py --smoke` (a real vLLM CPU server, four policies; about
-two minutes). Their full versions produce bench/results/*.json, summarised in the README.
+two minutes), `bench/prefix_burst.py --smoke` (shared-prefix bursts, prefix caching on;
+about a minute and a half) and `bench/sliding_burst.py --smoke` (a sliding-window model;
+about a minute). Their full versions produce bench/results/*.json, summarised in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -149,3 +152,52 @@ def test_admission_quality_smoke(tmp_path: Path) -> None:
     comparison = data["comparison"]
     assert comparison["kvgate_zero_preemptions"] is True
     assert set(comparison["goodput_rps"]) == set(policies)
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_prefix_burst_smoke(tmp_path: Path) -> None:
+    extra = ["--vllm-python", _vllm_python(), "--models-dir", _models_dir()]
+    data = _run("prefix_burst.py", tmp_path / "prefix.json", extra, timeout_s=540)
+    _common(data, "prefix_burst.py")
+    assert data["benchmark"] == "prefix_burst"
+    assert data["server"]["num_gpu_blocks"] == 128
+    assert data["server"]["prefix_caching"] in ("True", "true")
+    assert set(data["cases"]) == {"warm", "evicted", "new"}
+    paths = data["paths"]
+    assert set(paths) == {"vllm", "kvgate_events", "kvgate_traffic"}
+    assert paths["kvgate_events"]["prefix"]["source"] == "events"
+    assert paths["kvgate_traffic"]["prefix"]["source"] == "traffic"
+    for case, result in data["cases"].items():
+        for path, bursts in result["bursts"].items():
+            for burst in bursts:
+                # Every request served, on every path; through kvgate never preempted.
+                assert burst["served"] == burst["requests"] == 16, (case, path, burst)
+                assert burst["burst_s"] > 0 and burst["ttft_ms_median"] > 0
+                if path != "vllm":
+                    assert burst["preemptions"] == 0, (case, path, burst)
+    # With the prefix cached, all but the first request of the burst share it.
+    for path in ("kvgate_events", "kvgate_traffic"):
+        shared = data["cases"]["warm"]["bursts"][path][0]["kvgate"]["shared_blocks"]
+        assert sum(1 for blocks in shared if blocks >= 29) >= 15, (path, shared)
+        ledger = paths[path]["ledger_after"]
+        assert ledger["reserved_blocks"] == 0 and ledger["shared_blocks"] == 0
+
+
+@pytest.mark.vllm
+@pytest.mark.timeout(600)
+def test_sliding_burst_smoke(tmp_path: Path) -> None:
+    extra = ["--vllm-python", _vllm_python(), "--models-dir", _models_dir()]
+    data = _run("sliding_burst.py", tmp_path / "sliding.json", extra, timeout_s=540)
+    _common(data, "sliding_burst.py")
+    assert data["benchmark"] == "sliding_burst"
+    assert set(data["models"]) == {"tiny-mistral"}
+    result = data["models"]["tiny-mistral"]
+    assert result["server"]["num_gpu_blocks"] == 64
+    for path, bursts in result["bursts"].items():
+        for burst in bursts:
+            assert burst["served"] == burst["requests"] == 16, (path, burst)
+    kvgate = result["bursts"]["kvgate"][0]
+    assert kvgate["preemptions"] == 0
+    # kvgate reserves what a sliding-window request holds, not its whole length.
+    assert kvgate["kvgate"]["kv_blocks_median"] < (450 + 300) / 32
