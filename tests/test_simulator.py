@@ -332,3 +332,23 @@ def test_simulate_help_explains_the_command() -> None:
     assert "through kvgate" in out and "--trace" in out and "prefix_group" in out
     code, out, _ = _cli(["--help"])
     assert "simulate" in out
+
+
+HYBRID = {**TINY_LLAMA, "model_type": "gemma2", "num_hidden_layers": 2, "head_dim": 32,
+          "sliding_window": 128, "query_pre_attn_scalar": 32,
+          "layer_types": ["sliding_attention", "full_attention"]}
+
+
+@pytest.mark.parametrize("config", [TINY_LLAMA, SLIDING, HYBRID],
+                         ids=["full", "sliding", "hybrid"])
+def test_visiting_decoders_only_where_blocks_change_loses_nothing(
+        config: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar.model import simulator
+
+    model = served(config=config, blocks=400, chunk=96, block=16)
+    workload = OpenLoop(400.0, 60, Lengths(300, 200, spread=0.8), seed=5)
+    fast = simulate(model, workload, exact(model, kv_samples=100_000))
+    monkeypatch.setattr(simulator._Engine, "_change_gaps", lambda self, served: [])
+    slow = simulate(model, workload, exact(model, kv_samples=100_000))
+    assert fast.kv_samples == slow.kv_samples
+    assert fast.summary() == slow.summary()

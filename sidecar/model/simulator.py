@@ -212,8 +212,7 @@ class _Engine:
         self.config = config
         self.layout = served.layout
         self.recycles = self.layout.recycles_blocks
-        sizes = [group.block_size for group in self.layout.groups] or [1]
-        self.period = math.gcd(*sizes)  # block counts of growing groups change at x = 1 mod this
+        self.gaps = self._change_gaps(served)
         block = self.layout.prefix_block_size
         shareable = self.layout.prefix_groups
         self.prefix_on = (config.prefix_caching and block is not None and shareable > 0
@@ -480,14 +479,44 @@ class _Engine:
                 continue
             self.held += delta
             req.own += delta
-            if self.recycles:
-                step = 1
-            else:
-                x = computed + 1
-                step = (1 - x) % self.period or self.period
+            gaps = self.gaps
+            step = 1 if produced == req.gen_base or not gaps else gaps[(computed + 1) % len(gaps)]
             heapq.heappush(grow, (tick + step, req.seq, req.version, req))
 
     # ---- KV blocks -----------------------------------------------------------------
+
+    def _change_gaps(self, served: ServedModel) -> list[int]:
+        """For a decoding request whose step covers token x (x = computed + 1): how many
+        steps until its block count can next change, indexed by x mod the period.
+
+        Every group's count is a step function of x with the period of its block
+        size (a full block more, or one more fell out of the window), so over the
+        lcm of the block sizes the changes fall on fixed residues: those where the
+        count changes once decoding is steady (found by evaluating one period past
+        max_model_len) and 1 (a growing group's new block). The first two steps after
+        a prefill are visited anyway (its last chunk is still in flight). Empty: visit
+        every step (periods too long to tabulate)."""
+        period = 1
+        for group in self.layout.groups:
+            period = math.lcm(period, group.block_size)
+        if period > 65_536:
+            return []
+        start = period * (served.max_model_len // period + 4)
+        layout = self.layout
+        residues = {1 % period}
+        previous = layout.blocks_in_step(start - 1, 1, start - 2)
+        for x in range(start + 1, start + period + 1):
+            now = layout.blocks_in_step(x - 1, 1, x - 2)
+            if now != previous:
+                residues.add(x % period)
+            previous = now
+        gaps = []
+        for residue in range(period):
+            gap = 1
+            while (residue + gap) % period not in residues:
+                gap += 1
+            gaps.append(gap)
+        return gaps
 
     def _held(self, computed: int, new: int, settled: int) -> int:
         if self.recycles:
