@@ -155,7 +155,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
-            "block_size": served.deployment.block_size,
+            "block_size": served.block_size,
             "usable_blocks": config.usable_blocks,
             "policy": config.policy,
             "prefix_caching": config.prefix_caching,
