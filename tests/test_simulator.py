@@ -352,3 +352,25 @@ def test_visiting_decoders_only_where_blocks_change_loses_nothing(
     slow = simulate(model, workload, exact(model, kv_samples=100_000))
     assert fast.kv_samples == slow.kv_samples
     assert fast.summary() == slow.summary()
+
+
+def test_plan_simulate_prints_the_simulated_figures_beside_the_closed_form() -> None:
+    base = ["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--max-model-len", "8192",
+            "--prompt-tokens", "1000", "--output-tokens", "50", "--concurrency", "8"]
+    code, out, _ = _cli([*base, "--arrival-rate", "5", "--simulate", "--json"])
+    assert code == 0
+    result = json.loads(out)
+    closed, opened = result["simulated"]["closed_loop"], result["simulated"]["open_loop"]
+    assert closed["clients"] == 8 and opened["rate_per_s"] == 5
+    assert closed["completed"] == closed["requests"] == 200
+    assert "samples" not in closed["kv"]
+    # The closed form is unchanged by the option.
+    code, plain, _ = _cli([*base, "--json"])
+    assert "simulated" not in json.loads(plain)
+    assert json.loads(plain)["ttft_s"] == result["ttft_s"]
+    code, out, _ = _cli([*base, "--simulate"])
+    assert "Simulated (engine simulator, 200 requests each)" in out
+    assert "closed loop, 8 clients" in out
+    code, out, _ = _cli(["plan", "--model", "Qwen/Qwen3-8B", "--available-kv-gib", "3",
+                         "--simulate", "--json"])
+    assert code == 0 and json.loads(out)["simulated"] is None

@@ -31,6 +31,7 @@ from sidecar.model.gpu import with_overrides
 from sidecar.model.planning import DEFAULT_KV_MARGIN
 from sidecar.model.quantization import DTYPE_CHOICES
 from sidecar.model.served import KV_CACHE_DTYPES, MAMBA_CACHE_MODES, STATE_DTYPES
+from sidecar.model.simulator import simulate_plan
 from sidecar.model.summary import PlanInput, compute_plan
 from sidecar.model.units import GIB
 
@@ -152,6 +153,10 @@ def build_parser(prog: str = "kvgate plan") -> Parser:
                       "prefilled again")
     load.add_argument("--calibration", type=Path, metavar="FILE",
                       help="efficiencies saved by a live sidecar (GET /kvgate/v1/calibration)")
+    load.add_argument("--simulate", action="store_true",
+                      help="also run the engine simulator (`kvgate simulate`) on this workload: "
+                      "a closed loop of --concurrency clients and, with --arrival-rate, a "
+                      "Poisson open loop, printed beside the closed form (needs a GPU)")
 
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
@@ -346,6 +351,8 @@ def format_report(result: dict[str, Any]) -> str:
         "Plan",
         _indent(render(plan_rows)),
     ]
+    if "simulated" in result:
+        parts += _simulated_report(result["simulated"])
     chain_result = result.get("chain")
     if chain_result:
         rows = [[str(i + 1), f"{c['input_tokens']:,}", f"{c['output_tokens']:,}",
@@ -355,6 +362,35 @@ def format_report(result: dict[str, Any]) -> str:
                       f"total {_ms(chain_result['total_s'])}",
                   _indent(render(rows, ["call", "input", "output", "cached", "TTFT", "decode"]))]
     return "\n".join(parts)
+
+
+def _simulated(inputs: PlanInput) -> dict[str, Any] | None:
+    served = inputs.served
+    if served.roofline is None or served.capacity is None:
+        return None
+    return simulate_plan(served, inputs.prompt_tokens, inputs.output_tokens,
+                         inputs.concurrency, inputs.arrival_rate,
+                         inputs.shared_prefix_tokens if inputs.prefix_cache else 0)
+
+
+def _simulated_report(runs: dict[str, Any] | None) -> list[str]:
+    if runs is None:
+        return ["", "Simulated: - (the engine simulator needs a GPU)"]
+
+    def pair(run: dict[str, Any], key: str) -> str:
+        return f"{_ms(run[key]['p50'])} / {_ms(run[key]['p90'])}"
+
+    rows = []
+    for name, run in runs.items():
+        label = (f"closed loop, {run['clients']} clients" if name == "closed_loop"
+                 else f"open loop, {run['rate_per_s']:g} req/s")
+        rate = run["throughput_requests_per_s"]
+        rows.append([label, pair(run, "ttft_s"), pair(run, "tpot_s"), pair(run, "e2e_s"),
+                     "-" if rate is None else f"{rate:,.2f}", f"{run['preemptions']:,}"])
+    count = next(iter(runs.values()))["requests"]
+    return ["", f"Simulated (engine simulator, {count:,} requests each)",
+            _indent(render(rows, ["workload", "TTFT p50 / p90", "TPOT p50 / p90",
+                                  "E2E p50 / p90", "req/s", "preemptions"]))]
 
 
 def vllm_args(result: dict[str, Any], model: str) -> str:
@@ -402,7 +438,10 @@ def run(argv: Sequence[str], prog: str = "kvgate plan") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
     try:
-        result = compute_plan(plan_input(args))
+        inputs = plan_input(args)
+        result = compute_plan(inputs)
+        if args.simulate:
+            result["simulated"] = _simulated(inputs)
     except ModelError as exc:
         parser.error(str(exc))
     except ValueError as exc:  # e.g. a calibration with out-of-range factors

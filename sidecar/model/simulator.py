@@ -42,7 +42,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from sidecar.model.errors import ModelError
 from sidecar.model.latency import Prefill, Roofline
@@ -75,6 +75,7 @@ __all__ = [
     "Workload",
     "parse_trace",
     "simulate",
+    "simulate_plan",
 ]
 
 
@@ -126,6 +127,29 @@ def simulate(served: ServedModel, workload: Workload, config: EngineConfig | Non
              gate: KvgateGate | None = None) -> SimulationResult:
     """Run `workload` through the simulated engine (behind `gate`, if given)."""
     return _Engine(served, config or EngineConfig.of(served), gate).run(workload)
+
+
+def simulate_plan(served: ServedModel, prompt_tokens: int, output_tokens: int,
+                  concurrency: int, arrival_rate_per_s: float | None = None,
+                  shared_prefix_tokens: int = 0, requests: int | None = None,
+                  seed: int = 0) -> dict[str, Any]:
+    """`kvgate plan --simulate`: the plan's workload through the simulator, a closed
+    loop of `concurrency` clients and, with a rate, a Poisson open loop. Each entry is a
+    run's summary without its KV samples."""
+    count = requests or max(200, 10 * concurrency)
+    lengths = Lengths(prompt_tokens, output_tokens,
+                      prefix_group="shared" if shared_prefix_tokens else None,
+                      prefix_tokens=shared_prefix_tokens)
+    runs: dict[str, Any] = {}
+    closed = simulate(served, ClosedLoop(concurrency, count, lengths, seed=seed)).summary()
+    runs["closed_loop"] = {"clients": concurrency, **closed}
+    if arrival_rate_per_s:
+        opened = simulate(served, OpenLoop(arrival_rate_per_s, count, lengths,
+                                           seed=seed)).summary()
+        runs["open_loop"] = {"rate_per_s": arrival_rate_per_s, **opened}
+    for run in runs.values():
+        run["kv"].pop("samples")
+    return runs
 
 
 def _bucket(value: int, bits: int) -> int:
