@@ -131,3 +131,9 @@ def test_tp_check_covers_every_layer_kind() -> None:
     hybrid = read_architecture(DATA / "Qwen__Qwen3-Next-80B-A3B-Instruct.json")
     with pytest.raises(DeploymentError, match="state heads|attention heads"):
         ServedModel(hybrid, Deployment(tp=64))
+
+
+def test_a_reported_fp8_ds_mla_cache_keeps_its_layout_on_any_gpu() -> None:
+    # vLLM reports the cache dtype it rewrote (cache_config_info's cache_dtype).
+    reported = served("deepseek-ai__DeepSeek-V3.2-Exp", "B200", kv_cache_dtype="fp8_ds_mla")
+    assert reported.kv_bytes_per_token == 61 * (656 + 132)

@@ -24,7 +24,9 @@ from sidecar.model.quantization import WeightPrecision, weight_precision
 from sidecar.model.units import GIB
 from sidecar.model.weights import WeightFootprint, weight_footprint
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16")
+# fp8_ds_mla: what vLLM reports for an fp8 cache of sparse MLA on Hopper.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "bfloat16",
+                   "float16")
 MAMBA_CACHE_MODES = ("align", "none")
 STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
@@ -198,7 +200,8 @@ class ServedModel:
             fp8_cache=self.kv_cache_dtype.startswith("fp8"),
             # FlashMLA's sparse backend (Hopper, and the default without a GPU) stores
             # fp8 as fp8_ds_mla; Blackwell's FlashInfer sparse backend as plain fp8.
-            ds_mla_fp8=self.compute_capability_major != 10,
+            ds_mla_fp8=(self.kv_cache_dtype == "fp8_ds_mla"
+                        or self.compute_capability_major != 10),
             model_element_bytes=max(1, int(served_dtype(self.arch.torch_dtype)
                                            .bytes_per_weight)),
             state_element_bytes=dtype_bytes(deployment.mamba_cache_dtype),

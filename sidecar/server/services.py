@@ -96,6 +96,7 @@ class LearnedServer:
     num_blocks: int | None
     cache_dtype: str
     prefix_caching: bool = True
+    reported_cache_dtype: str | None = None  # as the server reports it, when unknown
 
 
 class Services:
@@ -278,6 +279,7 @@ class Services:
             self.model_problem = "the server's /v1/models reports no max_model_len"
             return None
         dtype = cache.cache_dtype if cache.cache_dtype in KV_CACHE_DTYPES else "auto"
+        unknown_dtype = None if cache.cache_dtype in (None, dtype) else cache.cache_dtype
         return LearnedServer(
             model_id=model.id,
             root=model.root,
@@ -286,6 +288,7 @@ class Services:
             num_blocks=cache.num_gpu_blocks,
             cache_dtype=dtype,
             prefix_caching=self._prefix_caching(view),
+            reported_cache_dtype=unknown_dtype,
         )
 
     def _architecture(self, learned: LearnedServer) -> ModelArchitecture | None:
@@ -339,6 +342,13 @@ class Services:
             self.model_problem = f"the served model cannot be modelled: {exc}"
             log.error(self.model_problem)
             return
+        if learned.block_size is None:
+            log.warning("the server reports no KV block size: kvgate takes %d, vLLM's "
+                        "choice for this model (give --block-size if it was started with "
+                        "another)", served.block_size)
+        if learned.reported_cache_dtype is not None:
+            log.warning("the server reports KV cache dtype %r, which kvgate does not know: "
+                        "modelled as auto", learned.reported_cache_dtype)
         if self.learned is not None:
             log.info("the server changed (%s -> %s); re-learned its model", self.learned,
                      learned)
