@@ -114,11 +114,21 @@ def test_a_cache_too_small_preempts_and_every_request_still_completes() -> None:
     # 19 usable blocks of 16 tokens; each request peaks at cdiv(100 + 150 - 1, 16) = 16.
     model = served(blocks=20)
     requests = [SimRequest(0.0, 100, 150) for _ in range(3)]
+    # A and B fit (7 blocks each; C's 7 do not: it waits). At token 145 both need a
+    # 10th block: A gets the last free one and B, admitted last, is preempted itself,
+    # having generated 45 tokens: its 9 blocks stay cached. B's return needs 10 blocks
+    # (145 tokens), so it waits for A, whose last 6 blocks evict 6 of B's (tail
+    # first); B then finds 3 blocks of its own and recomputes 145 - 48 = 97 tokens.
     result = run(model, requests)
-    assert result.preemptions >= 1
+    a, b, c = result.records
+    assert a.preemptions == 0
+    assert (b.preemptions, b.recomputed_tokens) == (1, 97)
+    assert c.preemptions >= 1
     assert all(r.finish_s is not None for r in result.records)
     preempted = [r for r in result.records if r.preemptions]
-    assert preempted and all(r.recomputed_tokens >= 100 for r in preempted)
+    # Without prefix caching B prefills its 100 + 45 tokens again.
+    uncached = run(model, requests, prefix_caching=False)
+    assert (uncached.records[1].preemptions, uncached.records[1].recomputed_tokens) == (1, 145)
     assert result.peak_blocks <= 19
     assert result.summary()["recomputed_tokens"] == sum(r.recomputed_tokens for r in preempted)
     # Through kvgate: one request at a time (16 + 16 > 0.95 x 19), no preemption.

@@ -9,7 +9,8 @@ It follows `vllm/v1/core/sched/scheduler.py` (vLLM 0.32), one `schedule()` per s
 2. when a running request cannot get its blocks, the lowest-priority running request
    (FCFS: the one admitted last; priority: the largest (priority, arrival)) is
    preempted: its blocks are freed and it goes back to the front of the waiting queue,
-   to prefill its prompt and the tokens it generated again (recompute);
+   to prefill its prompt and the tokens it generated again (recompute), less the
+   whole blocks of them still in the prefix cache when it returns;
 3. if nothing was preempted, waiting requests (FCFS, or by (priority, arrival)) are
    admitted while budget and `max_num_seqs` allow: a prefix-cache lookup first (whole
    blocks of its group's shared prefix, never the last token), then vLLM's admission
@@ -31,9 +32,10 @@ their mean context, prefill chunks, decode batch, mean decode context), the toke
 figures rounded to `price_bits` significant bits (0: exact).
 
 Not modelled: speculative decoding, KV connectors, multimodal encoders, pipeline
-parallelism, the watermark (0 by default), prefix hits on layouts with sliding-window
-or state groups, hits of a preempted request on its own freed blocks (it recomputes
-everything past its group's prefix), and the time the scheduler itself takes.
+parallelism, the watermark (0 by default), `long_prefill_token_threshold`, prefix
+hits on layouts with sliding-window or state groups, and the time the scheduler itself
+takes. Decodes are scheduled before running chunked prefills (vLLM takes running
+requests in order; the two differ only when the budget runs out between them).
 """
 
 from __future__ import annotations
@@ -175,6 +177,9 @@ class _Group:
 class _Req:
     __slots__ = (
         "arrival",
+        "cache_entry",
+        "cache_from",
+        "cache_valid",
         "computed",
         "d_base",
         "decoding",
@@ -223,6 +228,11 @@ class _Req:
         self.running = False
         self.last_token_s = 0.0
         self.peak = 0
+        # After a preemption: its freed blocks in the LRU, the prefix block they start
+        # at and how many of them hold whole computed blocks (reusable on its return).
+        self.cache_entry: list[object] | None = None
+        self.cache_from = 0
+        self.cache_valid = 0
 
 
 class _Engine:
@@ -281,6 +291,11 @@ class _Engine:
         self.preemptions = 0
         self.preempted_in_step = False
         self.peak = 0
+        # After a preemption: its freed blocks in the LRU, the prefix block they start
+        # at and how many of them hold whole computed blocks (reusable on its return).
+        self.cache_entry: list[object] | None = None
+        self.cache_from = 0
+        self.cache_valid = 0
         self.kv_times: list[float] = []
         self.kv_blocks: list[int] = []
         self.itl: list[tuple[float, int]] = []
@@ -594,11 +609,18 @@ class _Engine:
             if units - take == 0:
                 lru.popleft()
 
-    def _release(self, req: _Req) -> None:
+    def _release(self, req: _Req, computed_tokens: int | None = None) -> None:
+        """Free a request's blocks into the LRU cache. With `computed_tokens` (a
+        preemption) its whole computed blocks stay reusable by its own return."""
         if req.own > 0:
             self.held -= req.own
             self.evictable += req.own
-            self.lru.append([None, req.own])
+            entry: list[object] = [None, req.own]
+            self.lru.append(entry)
+            if computed_tokens is not None and self.prefix_on:
+                req.cache_entry = entry
+                req.cache_from = req.shared
+                req.cache_valid = max(0, computed_tokens // self.prefix_block - req.shared)
         req.own = 0
         group = req.group
         if group is not None and req.running:
@@ -607,9 +629,9 @@ class _Engine:
                 units = group.cached * self.prefix_units
                 self.held -= units
                 self.evictable += units
-                entry: list[object] = [group, units]
-                self.lru.append(entry)
-                group.entry = entry
+                shared_entry: list[object] = [group, units]
+                self.lru.append(shared_entry)
+                group.entry = shared_entry
         req.shared = 0
 
     # ---- waiting requests ----------------------------------------------------------
@@ -637,11 +659,19 @@ class _Engine:
                 eligible = min(group.cached * self.prefix_block, req.prefix_tokens)
                 hit = prefix_hit_tokens(eligible, req.num_tokens, self.prefix_block)
             hit_blocks = hit // self.prefix_block
+            own_hit = self._own_hit(req, hit_blocks)
             full = self._full(req.num_tokens)
             joining = group.cached * pg if group is not None and group.refs == 0 else 0
             if full - hit_blocks * pg + joining > self.usable - self.held:
                 break
             self._pop_waiting()
+            if req.cache_entry is not None:
+                reused = own_hit * pg
+                req.cache_entry[1] = int(req.cache_entry[1]) - reused  # type: ignore[call-overload]
+                self.evictable -= reused
+                self.held += reused
+                req.cache_entry = None
+            hit = (hit_blocks + own_hit) * self.prefix_block if own_hit else hit
             size = min(req.num_tokens - hit, budget)
             if group is not None:
                 if group.refs == 0:
@@ -656,8 +686,9 @@ class _Engine:
                 group.refs += 1
             req.shared = hit_blocks
             own = self._held(hit, size, hit) - hit_blocks * pg
-            self._take(own)
-            self.held += own
+            fresh = own - own_hit * pg
+            self._take(fresh)
+            self.held += fresh
             req.own = own
             req.computed = hit
             rec = req.rec
@@ -674,6 +705,22 @@ class _Engine:
             chunks.append((req, size, hit))
             budget -= size
         return budget
+
+    def _own_hit(self, req: _Req, group_hit_blocks: int) -> int:
+        """Prefix blocks a preempted request finds of its own freed blocks, past its
+        group's: whole computed blocks not yet evicted (a tail goes first), following
+        on from the group's hit, never its last token."""
+        entry = req.cache_entry
+        if entry is None:
+            return 0
+        units = entry[1]
+        assert isinstance(units, int)
+        remaining = min(req.cache_valid, units // self.prefix_units)
+        if remaining <= 0 or group_hit_blocks < req.cache_from:
+            return 0
+        end = prefix_hit_tokens((req.cache_from + remaining) * self.prefix_block,
+                                req.num_tokens, self.prefix_block) // self.prefix_block
+        return max(0, end - group_hit_blocks)
 
     # ---- state changes -----------------------------------------------------------
 
@@ -723,7 +770,10 @@ class _Engine:
         req.rec.preemptions += 1
         if req.decoding:
             self._stop_decoding(req)
-        self._release(req)
+            computed = req.prompt + req.generated - 1
+        else:
+            computed = req.computed
+        self._release(req, computed)
         req.running = False
         del self.running[req.seq]
         self.prefilling.pop(req.seq, None)
