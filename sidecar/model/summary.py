@@ -62,6 +62,8 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
         "model_type": arch.model_type,
         "gpu": served.gpu.name if served.gpu else None,
         "tp": served.deployment.tp,
+        # Engines with a KV pool each: the capacity figures below are per engine.
+        "data_parallel_size": served.deployment.data_parallel_size,
         "weight_precision": served.weight_precision.label,
         "kv_cache_element_bytes": served.kv_element_bytes,
         "block_size": served.block_size,
