@@ -138,6 +138,17 @@ def test_a_cache_too_small_preempts_and_every_request_still_completes() -> None:
     assert gated.peak_blocks == 16 == model.lifecycle.peak_blocks(100, 150)
 
 
+def test_more_decodes_than_the_budget_take_turns_in_running_order() -> None:
+    model = served(chunk=4, seqs=8)
+    result = run(model, [SimRequest(0.0, 4, 20) for _ in range(8)])
+    assert all(r.finish_s is not None for r in result.records)
+    assert all(batch <= 4 for _, batch in result.itl_samples)
+    # 8 x (4 prompt + 19 decode) tokens, at most 4 a step.
+    assert result.steps >= 8 * 23 // 4
+    finishes = [r.finish_s or 0 for r in result.records]
+    assert finishes[:4] == sorted(finishes[:4]) and max(finishes[:4]) < min(finishes[4:])
+
+
 def test_a_request_that_never_fits_is_refused_not_run() -> None:
     model = served(blocks=10)
     result = run(model, [SimRequest(0.0, 400, 10), SimRequest(0.0, 50, 10)])
@@ -252,6 +263,8 @@ def test_ten_thousand_requests_run_quickly() -> None:
     ('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": true}', "line 2: output_tokens"),
     ('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5, "prefix_tokens": 4}',
      "line 2: prefix_tokens needs a prefix_group"),
+    ('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5, "prefix_group": "a",'
+     ' "prefix_tokens": 6}', "line 2: prefix_tokens \\(6\\) must not exceed prompt_tokens"),
     ('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5, "colour": 1}',
      "line 2: unknown field 'colour'"),
     ('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 5, "priority": 1.5}',
@@ -349,13 +362,14 @@ HYBRID = {**TINY_LLAMA, "model_type": "gemma2", "num_hidden_layers": 2, "head_di
           "layer_types": ["sliding_attention", "full_attention"]}
 
 
-@pytest.mark.parametrize("config", [TINY_LLAMA, SLIDING, HYBRID],
-                         ids=["full", "sliding", "hybrid"])
+@pytest.mark.parametrize(("config", "chunk"), [(TINY_LLAMA, 96), (SLIDING, 96), (HYBRID, 96),
+                                               (SLIDING, 12)],
+                         ids=["full", "sliding", "hybrid", "sliding-small-budget"])
 def test_visiting_decoders_only_where_blocks_change_loses_nothing(
-        config: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+        config: dict[str, Any], chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
     from sidecar.model import simulator
 
-    model = served(config=config, blocks=400, chunk=96, block=16)
+    model = served(config=config, blocks=400, chunk=chunk, block=16)
     workload = OpenLoop(400.0, 60, Lengths(300, 200, spread=0.8), seed=5)
     fast = simulate(model, workload, exact(model, kv_samples=100_000))
     monkeypatch.setattr(simulator._Engine, "_change_gaps", lambda self, served: [])

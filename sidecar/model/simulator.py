@@ -318,6 +318,8 @@ class _Engine:
                 continue
             if self._step():
                 stalled = 0
+            elif not self.running:
+                self._refuse_head()  # cannot be admitted even into an empty engine
             else:
                 stalled += 1
                 if stalled > 2:
@@ -364,6 +366,17 @@ class _Engine:
             self.reserved += req.peak
             req.rec.admitted_s = self.now
             self._enqueue(req, front=False)
+
+    def _refuse_head(self) -> None:
+        req = self._peek_waiting()
+        if req is None:
+            return
+        self._pop_waiting()
+        req.rec.rejected = "never_fits"
+        if self.gate:
+            self.reserved -= req.peak
+            self._gate_admit()
+        self._after(req.rec.request, self.now)
 
     def _after(self, spec: SimRequest, when: float) -> None:
         follow = self.workload.after(spec, when)

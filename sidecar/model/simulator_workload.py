@@ -197,9 +197,13 @@ def parse_trace(lines: Iterable[str], source: str = "trace") -> list[SimRequest]
         prefix_tokens = _integer(item, "prefix_tokens", where, minimum=0, default=0)
         if prefix_tokens and group is None:
             raise TraceError(f"{where}: prefix_tokens needs a prefix_group")
+        prompt_tokens = _integer(item, "prompt_tokens", where, minimum=1)
+        if prefix_tokens > prompt_tokens:
+            raise TraceError(f"{where}: prefix_tokens ({prefix_tokens}) must not exceed "
+                             f"prompt_tokens ({prompt_tokens})")
         requests.append(SimRequest(
             arrival_s=float(arrival),
-            prompt_tokens=_integer(item, "prompt_tokens", where, minimum=1),
+            prompt_tokens=prompt_tokens,
             output_tokens=_integer(item, "output_tokens", where, minimum=1),
             prefix_group=None if group is None else str(group),
             prefix_tokens=prefix_tokens,
