@@ -295,6 +295,7 @@ async def test_a_burst_with_faults_joins_across_client_kvgate_and_vllm() -> None
     assert len(lines) == len(results)
     kvgate_log = gated.log_text()
     ends: dict[str, int] = {}
+    aborted = 0
     for result in results:
         rid = result.request_id
         line = by_id[rid]
@@ -324,16 +325,20 @@ async def test_a_burst_with_faults_joins_across_client_kvgate_and_vllm() -> None
             assert any("Received request" in m for m in mentioned), (rid, hop.fault)
             if line["end"] == "done" and line["stream"] is False:
                 assert result.body["id"] == f"cmpl-{rid}"  # vLLM's id is kvgate's
-            if line["end"] in ("upstream_cut", "timeout"):  # and vLLM dropped it
-                assert any(" aborted." in m for m in mentioned), (rid, mentioned)
-        elif hop is None or not hop.forwarded:
+        if hop is None or not hop.forwarded:
             assert not mentioned, (rid, mentioned)
+        if any(" aborted." in m for m in mentioned):  # vLLM dropped it: kvgate says why
+            aborted += 1
+            assert line["end"] in ("upstream_cut", "timeout", "client_gone"), line
         # 4. Abnormal ends are in kvgate's process log with the id.
         abnormal = f"request {rid} ended abnormally"
         assert (abnormal in kvgate_log) is (line["end"] in ("upstream_cut", "timeout")
                                             or line["upstream_error"] == "status"), rid
     assert sum(applied.values()) == 5, applied  # every fault was injected
     assert ends.get("upstream_cut", 0) >= 1 and ends.get("done", 0) >= 8, ends
+    # The streams cut or stalled mid-answer were aborted in vLLM (one may have finished
+    # in the server before the cut reached it).
+    assert aborted >= 1, ends
 
 
 async def _burst(gated: Sidecar) -> list[Any]:
