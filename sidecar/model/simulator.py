@@ -291,11 +291,6 @@ class _Engine:
         self.preemptions = 0
         self.preempted_in_step = False
         self.peak = 0
-        # After a preemption: its freed blocks in the LRU, the prefix block they start
-        # at and how many of them hold whole computed blocks (reusable on its return).
-        self.cache_entry: list[object] | None = None
-        self.cache_from = 0
-        self.cache_valid = 0
         self.kv_times: list[float] = []
         self.kv_blocks: list[int] = []
         self.itl: list[tuple[float, int]] = []
@@ -426,8 +421,9 @@ class _Engine:
         # price and run
         prefill_tokens = sum(size for _, size, _ in chunks)
         prefill_context = sum(start for _, _, start in chunks)
+        mean_context = (self.ctx0 + self.n_dec * tick) // self.n_dec if self.n_dec else 0
         seconds = self._price(prefill_tokens, prefill_context, len(chunks), n_dec,
-                              self.ctx0 + self.n_dec * tick)
+                              mean_context)
         self.now += seconds
         self.busy += seconds
         self.kv_area += self.held * seconds
@@ -452,10 +448,13 @@ class _Engine:
 
     def _price(self, prefill_tokens: int, prefill_context: int, chunks: int, n_dec: int,
                dec_context: int) -> float:
+        """One step: `chunks` prefill chunks of `prefill_tokens` in all after
+        `prefill_context` cached tokens in all, and `n_dec` decodes at a mean context
+        of `dec_context` tokens."""
         bits = self.config.price_bits
         tokens = _bucket(prefill_tokens, bits)
         context = _bucket(prefill_context // chunks, bits) if chunks else 0
-        decode = _bucket(dec_context // n_dec, bits) if n_dec else 0
+        decode = _bucket(dec_context, bits) if n_dec else 0
         key = (tokens, context, chunks, n_dec, decode)
         price = self._prices.get(key)
         if price is None:
