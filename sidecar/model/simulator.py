@@ -17,6 +17,10 @@ It follows `vllm/v1/core/sched/scheduler.py` (vLLM 0.32), one `schedule()` per s
    check (the whole prompt must fit in the free blocks, `scheduler_reserve_full_isl`),
    then its first chunk. The first request that does not fit stops admission.
 
+vLLM schedules a step while the previous one runs (asynchronous scheduling, on by
+default): a request that finished in a step still holds its blocks and its place in
+`max_num_seqs` while the next step is scheduled.
+
 Blocks per request come from the model's layout (`KVLayout.blocks_in_step`: the same
 per-step holding `ServedModel.lifecycle` and the admission ledger use, sliding windows
 freed on the processed tokens with one step in flight). Blocks a request frees stay
@@ -267,6 +271,7 @@ class _Engine:
         self.fcfs: deque[_Req] = deque()
         self.prio: list[tuple[int, float, int, _Req]] = []
         self.running: dict[int, _Req] = {}
+        self.releasing: list[_Req] = []  # finished, blocks freed after the next schedule
         self.prefilling: dict[int, _Req] = {}
         self.run_counter = 0
         # decoding requests: a decode clock, a context counter, two event heaps
@@ -307,6 +312,9 @@ class _Engine:
         while True:
             self._arrive()
             if not self.running and not self.fcfs and not self.prio:
+                for req in self.releasing:  # the engine is idle: outputs are processed
+                    self._release(req)
+                self.releasing.clear()
                 if not self.arrivals:
                     break
                 self.now = max(self.now, self.arrivals[0][0])
@@ -392,6 +400,7 @@ class _Engine:
         """Schedule, price and run one step; False when nothing could be scheduled."""
         budget = self.budget
         self.preempted_in_step = False
+        finished, self.releasing = self.releasing, []
         tick = self.tick + 1
         if self.n_dec > budget:
             self._skip_decoders(budget, tick)
@@ -415,9 +424,11 @@ class _Engine:
             chunks.append((req, size, req.computed))
             budget -= size
         if not self.preempted_in_step:
-            budget = self._admit_waiting(budget, chunks)
+            budget = self._admit_waiting(budget, chunks, len(finished))
+        for req in finished:
+            self._release(req)
         if not chunks and n_dec == 0:
-            return False
+            return bool(finished)  # an empty step: their blocks are free for the next
         # price and run
         prefill_tokens = sum(size for _, size, _ in chunks)
         prefill_context = sum(start for _, _, start in chunks)
@@ -635,7 +646,7 @@ class _Engine:
                 req.cache_valid = max(0, computed_tokens // self.prefix_block - req.shared)
         req.own = 0
         group = req.group
-        if group is not None and req.running:
+        if group is not None:
             group.refs -= 1
             if group.refs == 0 and group.cached > 0:
                 units = group.cached * self.prefix_units
@@ -659,9 +670,10 @@ class _Engine:
         else:
             self.fcfs.popleft()
 
-    def _admit_waiting(self, budget: int, chunks: list[tuple[_Req, int, int]]) -> int:
+    def _admit_waiting(self, budget: int, chunks: list[tuple[_Req, int, int]],
+                       finishing: int) -> int:
         pg = self.prefix_units
-        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while budget > 0 and len(self.running) + finishing < self.config.max_num_seqs:
             req = self._peek_waiting()
             if req is None:
                 break
@@ -764,9 +776,13 @@ class _Engine:
             self._start_decoding(req)
 
     def _finish(self, req: _Req) -> None:
+        """The request sampled its last token in the step just run. With asynchronous
+        scheduling vLLM schedules the next step before it processes this one's output:
+        the request still counts against max_num_seqs and holds its blocks while the
+        next step is scheduled (`releasing`)."""
         if req.decoding:
             self._stop_decoding(req)
-        self._release(req)
+        self.releasing.append(req)
         req.running = False
         del self.running[req.seq]
         self.prefilling.pop(req.seq, None)
