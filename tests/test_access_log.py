@@ -270,8 +270,9 @@ async def test_a_burst_with_faults_joins_across_client_kvgate_and_vllm() -> None
     try:
         with FaultProxy(server.url) as proxy:
             gated = Sidecar(proxy.url, "--read-timeout-s", "5", "--queue-max-wait-s", "60",
-                            "--metrics-interval-s", "0.5").start()
+                            "--metrics-interval-s", "0.5")
             try:
+                gated.start()
                 faults = [
                     Fault(path="/v1/completions", cut_after_bytes=1500, times=2, name="cut"),
                     Fault(path="/v1/completions", stall_after_bytes=800, times=1, name="stall"),
@@ -280,9 +281,10 @@ async def test_a_burst_with_faults_joins_across_client_kvgate_and_vllm() -> None
                 ]
                 proxy.set_faults(*faults)
                 results = await _burst(gated)
-            finally:
                 proxy.release_stalls()
                 await until(lambda: released(gated), 30, "released")
+            finally:
+                proxy.release_stalls()
                 exit_code = gated.stop()
             seen = {header(s, "x-request-id"): s for s in proxy.requests("/v1/completions")}
             applied = dict(proxy.counts)

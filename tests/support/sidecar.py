@@ -43,7 +43,11 @@ class Sidecar:
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=self.env)
         if wait_ready:
-            self.wait_ready(ready_timeout_s)
+            try:
+                self.wait_ready(ready_timeout_s)
+            except BaseException:
+                self.stop()  # never leave a process behind that did not get ready
+                raise
         return self
 
     def wait_ready(self, timeout_s: float = 60.0) -> None:
