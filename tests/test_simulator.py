@@ -110,6 +110,18 @@ def test_max_num_seqs_caps_the_batch() -> None:
     assert result.steps == 2 * (1 + 29)
 
 
+def test_a_finished_request_keeps_its_place_while_the_next_step_is_scheduled() -> None:
+    # Asynchronous scheduling: A's last token comes in step 2, step 3 is scheduled
+    # before its output is processed, so C (waiting for a place) enters in step 4.
+    model = served(seqs=2)
+    result = simulate(model, Trace([SimRequest(0.0, 20, 2), SimRequest(0.0, 20, 50),
+                                    SimRequest(0.0, 20, 5)]), exact(model, kv_samples=1000))
+    a, _, c = result.records
+    step_ends = [when for when, _ in result.kv_samples]
+    assert a.finish_s == pytest.approx(step_ends[1] + model.efficiency.per_request_s)
+    assert c.first_token_s == pytest.approx(step_ends[3] + model.efficiency.per_request_s)
+
+
 def test_a_cache_too_small_preempts_and_every_request_still_completes() -> None:
     # 19 usable blocks of 16 tokens; each request peaks at cdiv(100 + 150 - 1, 16) = 16.
     model = served(blocks=20)
