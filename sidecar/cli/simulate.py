@@ -123,6 +123,7 @@ def _served(args: argparse.Namespace) -> ServedModel:
         block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, num_gpu_blocks_override=args.num_gpu_blocks_override,
         available_kv_bytes=round(args.available_kv_gib * GIB) if args.available_kv_gib else None,
+        enable_prefix_caching=not args.no_prefix_cache,
     )
     served = ServedModel(arch, deployment, gpu)
     efficiency = load_efficiency(args.calibration)
