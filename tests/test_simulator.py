@@ -206,6 +206,16 @@ def test_running_requests_of_a_group_hold_its_prefix_once() -> None:
     assert [r.cached_tokens for r in shared.records] == [0, 512, 512, 512]
 
 
+def test_requests_admitted_in_one_step_share_the_blocks_the_first_allocates() -> None:
+    # vLLM caches a chunk's whole blocks as it allocates them: the second request of
+    # the same step already finds the prefix (the kernels write each layer's KV for
+    # the whole batch before attending).
+    model = served()
+    result = run(model, [SimRequest(0.0, 600, 5, "system", 512) for _ in range(3)])
+    assert [r.cached_tokens for r in result.records] == [0, 512, 512]
+    assert result.steps == 1 + 4
+
+
 def test_fcfs_and_priority_order() -> None:
     model = served(seqs=1)
     requests = [SimRequest(0.0, 50, 10, priority=5), SimRequest(0.001, 50, 10, priority=5),

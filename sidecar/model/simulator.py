@@ -421,6 +421,7 @@ class _Engine:
                 break
             self.held += delta
             req.own += delta
+            self._extend_group(req, req.computed + size)
             chunks.append((req, size, req.computed))
             budget -= size
         if not self.preempted_in_step:
@@ -726,9 +727,24 @@ class _Engine:
             req.run_seq = self.run_counter
             self.running[req.seq] = req
             self.prefilling[req.seq] = req
+            self._extend_group(req, hit + size)
             chunks.append((req, size, hit))
             budget -= size
         return budget
+
+    def _extend_group(self, req: _Req, tokens: int) -> None:
+        """vLLM caches a chunk's whole blocks when it allocates them: a request that
+        writes its group's prefix past what the group holds extends it, and requests
+        admitted later in the same step already find those blocks."""
+        group = req.group
+        if group is None or req.shared != group.cached:
+            return
+        frontier = min(tokens, req.prefix_tokens) // self.prefix_block
+        if frontier > group.cached:
+            gained = frontier - group.cached
+            group.cached = frontier
+            req.shared += gained
+            req.own -= gained * self.prefix_units
 
     def _own_hit(self, req: _Req, group_hit_blocks: int) -> int:
         """Prefix blocks a preempted request finds of its own freed blocks, past its
@@ -752,14 +768,6 @@ class _Engine:
         req.computed += size
         req.last_chunk = size
         req.last_step = self.steps - 1
-        group = req.group
-        if group is not None and req.shared == group.cached:
-            frontier = min(req.computed, req.prefix_tokens) // self.prefix_block
-            if frontier > group.cached:
-                gained = frontier - group.cached
-                group.cached = frontier
-                req.shared += gained
-                req.own -= gained * self.prefix_units
         if req.computed < req.num_tokens:
             return
         del self.prefilling[req.seq]
