@@ -420,3 +420,32 @@ def test_plan_simulate_prints_the_simulated_figures_beside_the_closed_form() -> 
     code, out, _ = _cli(["plan", "--model", "Qwen/Qwen3-8B", "--available-kv-gib", "3",
                          "--simulate", "--json"])
     assert code == 0 and json.loads(out)["simulated"] is None
+
+
+@pytest.mark.parametrize("config", [TINY_LLAMA, SLIDING, HYBRID],
+                         ids=["full", "sliding", "hybrid"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_pool_is_never_overdrawn_and_returns_to_empty(config: dict[str, Any],
+                                                          policy: str) -> None:
+    import random
+
+    from sidecar.model.simulator import _Engine
+
+    rng = random.Random(7)
+    model = served(config=config, blocks=60, chunk=200, block=16)
+    requests = [SimRequest(rng.uniform(0, 0.5), rng.randint(20, 500), rng.randint(1, 300),
+                           rng.choice([None, "a", "b"]), 0, rng.randint(0, 3))
+                for _ in range(80)]
+    requests = [r if r.prefix_group is None else
+                SimRequest(r.arrival_s, r.prompt_tokens, r.output_tokens, r.prefix_group,
+                           min(r.prompt_tokens, 200), r.priority) for r in requests]
+    for gate in (None, KvgateGate(0.9)):
+        engine = _Engine(model, exact(model, policy=policy), gate)
+        result = engine.run(Trace(requests))
+        assert result.peak_blocks <= 59
+        # Every request fits (at most 50 blocks): all are served.
+        assert all(r.finish_s is not None and r.rejected is None for r in result.records)
+        assert engine.held == 0 and 0 <= engine.evictable <= 59
+        assert engine.reserved == 0 and engine.n_dec == 0
+        if gate is not None:
+            assert result.preemptions == 0

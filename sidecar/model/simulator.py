@@ -621,6 +621,9 @@ class _Engine:
             entry = lru[0]
             units = entry[1]
             assert isinstance(units, int)
+            if units == 0:  # reused since it was freed
+                lru.popleft()
+                continue
             take = min(units, deficit)
             entry[1] = units - take
             self.evictable -= take
@@ -687,8 +690,14 @@ class _Engine:
             own_hit = self._own_hit(req, hit_blocks)
             full = self._full(req.num_tokens)
             joining = group.cached * pg if group is not None and group.refs == 0 else 0
-            if full - hit_blocks * pg + joining > self.usable - self.held:
-                break
+            free = self.usable - self.held
+            if full - hit_blocks * pg + joining > free:
+                break  # vLLM's check that the whole prompt fits
+            hit = (hit_blocks + own_hit) * self.prefix_block if own_hit else hit
+            size = min(req.num_tokens - hit, budget)
+            own = self._held(hit, size, hit) - hit_blocks * pg
+            if own + joining > free:
+                break  # and that this step's chunk does (a window's prefill peak)
             self._pop_waiting()
             if req.cache_entry is not None:
                 reused = own_hit * pg
@@ -696,8 +705,6 @@ class _Engine:
                 self.evictable -= reused
                 self.held += reused
                 req.cache_entry = None
-            hit = (hit_blocks + own_hit) * self.prefix_block if own_hit else hit
-            size = min(req.num_tokens - hit, budget)
             if group is not None:
                 if group.refs == 0:
                     entry = group.entry
@@ -710,7 +717,6 @@ class _Engine:
                     self.held += group.cached * pg
                 group.refs += 1
             req.shared = hit_blocks
-            own = self._held(hit, size, hit) - hit_blocks * pg
             fresh = own - own_hit * pg
             self._take(fresh)
             self.held += fresh
