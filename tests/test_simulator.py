@@ -443,8 +443,12 @@ def test_the_pool_is_never_overdrawn_and_returns_to_empty(config: dict[str, Any]
         engine = _Engine(model, exact(model, policy=policy), gate)
         result = engine.run(Trace(requests))
         assert result.peak_blocks <= 59
-        # Every request fits (at most 50 blocks): all are served.
-        assert all(r.finish_s is not None and r.rejected is None for r in result.records)
+        # Served unless its peak exceeds what kvgate ever gives one request.
+        limit = 59 if gate is None else int(59 * 0.9)
+        for record in result.records:
+            spec = record.request
+            fits = model.lifecycle.peak_blocks(spec.prompt_tokens, spec.output_tokens) <= limit
+            assert (record.finish_s is not None, record.rejected is None) == (fits, fits)
         assert engine.held == 0 and 0 <= engine.evictable <= 59
         assert engine.reserved == 0 and engine.n_dec == 0
         if gate is not None:
