@@ -432,7 +432,10 @@ def test_the_pool_is_never_overdrawn_and_returns_to_empty(config: dict[str, Any]
     from sidecar.model.simulator import _Engine
 
     rng = random.Random(7)
-    model = served(config=config, blocks=60, chunk=200, block=16)
+    # 119 usable blocks hold one max_model_len (1,024-token) request, as vLLM
+    # requires to start.
+    model = served(config=config, blocks=120, chunk=200, block=16, max_len=1024)
+    assert model.capacity is not None and model.capacity.fits_one_request
     requests = [SimRequest(rng.uniform(0, 0.5), rng.randint(20, 500), rng.randint(1, 300),
                            rng.choice([None, "a", "b"]), 0, rng.randint(0, 3))
                 for _ in range(80)]
@@ -442,14 +445,14 @@ def test_the_pool_is_never_overdrawn_and_returns_to_empty(config: dict[str, Any]
     for gate in (None, KvgateGate(0.9)):
         engine = _Engine(model, exact(model, policy=policy), gate)
         result = engine.run(Trace(requests))
-        assert result.peak_blocks <= 59
+        assert result.peak_blocks <= 119
         # Served unless its peak exceeds what kvgate ever gives one request.
-        limit = 59 if gate is None else int(59 * 0.9)
+        limit = 119 if gate is None else int(119 * 0.9)
         for record in result.records:
             spec = record.request
             fits = model.lifecycle.peak_blocks(spec.prompt_tokens, spec.output_tokens) <= limit
             assert (record.finish_s is not None, record.rejected is None) == (fits, fits)
-        assert engine.held == 0 and 0 <= engine.evictable <= 59
+        assert engine.held == 0 and 0 <= engine.evictable <= 119
         assert engine.reserved == 0 and engine.n_dec == 0
         if gate is not None:
             assert result.preemptions == 0
