@@ -333,7 +333,7 @@ def test_simulate_command_compares_vllm_alone_with_kvgate(
         model_and_trace: tuple[Path, Path]) -> None:
     config, trace = model_and_trace
     base = ["simulate", "--model", str(config), "--gpu", "L4", "--num-gpu-blocks-override",
-            "20", "--trace", str(trace)]
+            "20", "--max-model-len", "300", "--trace", str(trace)]
     code, out, _ = _cli([*base, "--json"])
     assert code == 0
     result = json.loads(out)
@@ -369,6 +369,9 @@ def test_simulate_command_errors_are_one_line(model_and_trace: tuple[Path, Path]
     code, _, err = _cli(["simulate", "--model", str(config), "--gpu", "L4",
                          "--trace", str(tmp_path / "missing.jsonl")])
     assert code == 2 and "cannot read" in err
+    code, _, err = _cli(["simulate", "--model", str(config), "--gpu", "L4",
+                         "--num-gpu-blocks-override", "20", "--trace", str(trace)])
+    assert code == 2 and "vLLM would not start" in err
 
 
 def test_simulate_help_explains_the_command() -> None:

@@ -142,6 +142,12 @@ def _read_trace(path: Path) -> Trace:
 
 def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
     served = _served(args)
+    capacity = served.capacity
+    if capacity is not None and not capacity.fits_one_request:
+        raise ModelError(f"the KV cache ({capacity.usable_blocks:,} usable blocks) does not "
+                         f"hold one request of --max-model-len {served.max_model_len:,} "
+                         f"tokens ({capacity.blocks_per_request:,} blocks): vLLM would not "
+                         "start; lower --max-model-len or give more KV")
     trace = _read_trace(args.trace)
     config = EngineConfig.of(served, policy=args.policy,
                              prefix_caching=not args.no_prefix_cache)
