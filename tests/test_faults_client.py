@@ -343,8 +343,11 @@ async def test_bad_input_is_a_4xx_naming_the_field_and_never_reaches_vllm(
             if param is not None:
                 assert param.split("[")[0] in error["message"], error
             assert error["type"] == "invalid_request_error"
-        # Never fits: checked with the server's tokenizer, never sent for generation.
-        too_long = await post_stream(session, gated.url + "/v1/completions", completion(5000))
+        # Never fits the KV cache (4 sequences of up to 1,023 tokens need 128 blocks of
+        # the 59 kvgate may give): checked with the server's tokenizer, never sent for
+        # generation.
+        too_long = await post_stream(session, gated.url + "/v1/completions",
+                                     completion(5000, n=4, temperature=1.0))
         assert too_long.status == 400 and too_long.body["error"]["param"] == "max_tokens"
         assert too_long.body["error"]["code"] == "never_fits"
         assert "largest max_tokens that fits" in too_long.body["error"]["message"]

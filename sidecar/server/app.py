@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from sidecar import __version__
 from sidecar.model import ModelArchitecture, read_architecture
-from sidecar.server import admin, proxy
+from sidecar.server import access_log, admin, proxy
 from sidecar.server.keys import SERVICES, SESSION
 from sidecar.server.requests import ROUTES
 from sidecar.server.services import Services, resolve_gpu
@@ -59,9 +59,14 @@ def build_services(settings: ServeSettings, registry: CollectorRegistry) -> Serv
 
 def build_app(services: Services, registry: CollectorRegistry) -> web.Application:
     settings = services.settings
-    app = web.Application(client_max_size=settings.max_body_bytes,
-                          middlewares=[admin.admin_token])
+    access = access_log.AccessLog(settings.access_log, settings.access_log_format)
+    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[
+        access_log.middleware(access, (proxy.generation, proxy.passthrough), proxy.DRAIN_CUT),
+        admin.admin_token])
     app[SERVICES] = services
+    app[access_log.ACCESS_LOG] = access
+    app.cleanup_ctx.append(access_log.context(access))
+    app.on_response_prepare.append(access_log.on_prepare)
     app[admin.REGISTRY] = registry
     app[proxy.RUNNING] = set()
     app.cleanup_ctx.append(_upstream_context)
@@ -76,6 +81,7 @@ def build_admin_app(services: Services, registry: CollectorRegistry) -> web.Appl
     app = web.Application(middlewares=[admin.admin_token])
     app[SERVICES] = services
     app[admin.REGISTRY] = registry
+    app.on_response_prepare.append(access_log.on_prepare)
     admin.add_admin_routes(app, introspection=True)
     return app
 
@@ -91,9 +97,11 @@ async def _upstream_context(app: web.Application) -> AsyncIterator[None]:
         watcher = UpstreamWatcher(client, interval_s=settings.metrics_interval_s,
                                   on_update=services.on_upstream)
         services.attach(client, watcher)
+        await services.start_kv_events()
         task = asyncio.create_task(watcher.run(), name="kvgate-upstream-watcher")
         app[WATCHER_TASK] = task
         yield
+        await services.stop_kv_events()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

@@ -23,9 +23,11 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from sidecar.admission import AdmissionRequest, Rejected, Ticket
+from sidecar.server import access_log
 from sidecar.server.client_headers import PRIORITY, TENANT, TTFT_SLO, parse_steering
 from sidecar.server.errors import error_response, rejection_response
 from sidecar.server.keys import SERVICES, SESSION
+from sidecar.server.prefix_keys import prompt_keys
 from sidecar.server.requests import (
     BadRequest,
     GenerationRequest,
@@ -135,9 +137,11 @@ async def _generation(request: web.Request, services: Services) -> web.StreamRes
         return _unavailable(f"not ready to admit requests: {reason}")
     if services.settings.log_prompts:
         log.info("prompt %s: %s", request.path, body)
-    prompt_tokens = await _count_prompt(services, gen)
+    prompt_tokens, token_ids = await _count_prompt(services, gen)
     services.refresh()
     admission = AdmissionRequest(
+        block_keys=prompt_keys(controller, body, gen, token_ids,
+                               services.learned.model_id if services.learned else None),
         prompt_tokens=prompt_tokens,
         max_tokens=gen.max_tokens,
         sequences=gen.sequences * gen.prompts,
@@ -145,6 +149,7 @@ async def _generation(request: web.Request, services: Services) -> web.StreamRes
         tenant=steering.tenant,
         ttft_slo_s=steering.ttft_slo_s,
     )
+    access_log.record(request).admission = admission
     try:
         ticket = await controller.admit(admission)
     except Rejected as rejected:
@@ -155,16 +160,22 @@ async def _generation(request: web.Request, services: Services) -> web.StreamRes
     return await forward(request, raw, services, ticket=ticket, gen=gen, arrived_at=arrived_at)
 
 
-async def _count_prompt(services: Services, gen: GenerationRequest) -> int:
-    """The prompt's token count (the longest of a batch), from the server's /tokenize."""
+async def _count_prompt(services: Services,
+                        gen: GenerationRequest) -> tuple[int, tuple[int, ...] | None]:
+    """The prompt's token count (the longest of a batch), from the server's /tokenize,
+    and the token ids of a single prompt when the server returned them."""
     counts = list(gen.token_counts)
+    token_ids: tuple[int, ...] | None = gen.token_ids
     client = services.client
     try:
         if client is None:
             raise UpstreamError("connect", "no upstream client")
         for payload in gen.tokenize_payloads:
-            counts.append(await client.tokenize(payload))
+            tokenized = await client.tokenize(payload)
+            counts.append(tokenized.count)
+            token_ids = tokenized.token_ids
     except UpstreamError as exc:
+        token_ids = None
         services.metrics.tokenize_fallback.inc()
         # The server's error text may quote the prompt: logged only with --log-prompts.
         log.debug("tokenize failed (%s); estimating", exc if services.settings.log_prompts
@@ -174,7 +185,9 @@ async def _count_prompt(services: Services, gen: GenerationRequest) -> int:
             counts += [estimate_tokens([text], 0) for text in texts]
         else:
             counts.append(estimate_tokens(texts, gen.message_count))
-    return max(counts) if counts else 1
+    if gen.prompts != 1:
+        token_ids = None
+    return (max(counts) if counts else 1), token_ids
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
@@ -210,6 +223,7 @@ async def forward(
     sent_at = time.monotonic()
     first_at: float | None = None
     batch_at_start = services.controller.inflight if services.controller else 0
+    record = access_log.forwarding(request, ticket, stream=gen.stream if gen else None)
     task = asyncio.current_task()
     running = request.app[RUNNING]
     if task is not None:
@@ -221,17 +235,20 @@ async def forward(
                 client.url(request.rel_url.path_qs),
                 # aiohttp streams a BytesIO; a large bytes object would block the loop.
                 data=(io.BytesIO(raw) if len(raw) > LARGE_BODY_BYTES else raw) if raw else None,
-                headers=_forward_headers(request.headers, HOP_BY_HOP | STEERING),
+                headers=record.upstream_headers(
+                    _forward_headers(request.headers, HOP_BY_HOP | STEERING)),
                 timeout=timeout,
                 allow_redirects=False,
                 auto_decompress=False,
             )
         except (aiohttp.ClientError, TimeoutError) as exc:
-            return _upstream_failed(services, exc)
+            return record.upstream_failed(_upstream_failed(services, exc))
         except asyncio.CancelledError as exc:
             if not _drain_cut(exc):
                 raise
+            record.end = access_log.END_DRAIN
             return _draining(services)  # no answer yet at the end of the drain
+        record.upstream_status = upstream.status
         try:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             response.headers.update(_forward_headers(upstream.headers, HOP_BY_HOP))
@@ -241,7 +258,11 @@ async def forward(
                 response.headers["x-kvgate-queue-ms"] = f"{ticket.queue_wait_s * 1000:.1f}"
                 response.headers["x-kvgate-predicted-ttft-ms"] = (
                     f"{ticket.predicted_ttft_s * 1000:.1f}")
-                response.headers["x-kvgate-kv-blocks"] = str(ticket.cost.kv_blocks)
+                response.headers["x-kvgate-kv-blocks"] = str(
+                    ticket.cost.kv_blocks + ticket.cost.shared_blocks)
+                response.headers["x-kvgate-prompt-tokens"] = str(ticket.cost.prompt_tokens)
+                response.headers["x-kvgate-kv-shared-blocks"] = str(ticket.cost.shared_blocks)
+                response.headers["x-kvgate-cached-tokens"] = str(ticket.cost.cached_tokens)
                 response.headers["x-kvgate-predicted-tpot-ms"] = (
                     f"{ticket.predicted_tpot_s * 1000:.2f}")
             # Streams are passed on in whole events, so that the error event below is
@@ -265,6 +286,7 @@ async def forward(
                 if events is None or not _drain_cut(exc):
                     raise
                 # Still streaming at the end of the drain: end with an error event.
+                record.end = access_log.END_DRAIN
                 response.force_close()
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(response.write(events.error_event(
@@ -276,6 +298,7 @@ async def forward(
                 # the client can see instead of leaving it hanging.
                 kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
                 services.metrics.upstream_errors.labels(kind).inc()
+                record.broke(kind)
                 if services.watcher is not None:
                     services.watcher.poke()
                 if events is not None:

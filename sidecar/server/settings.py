@@ -71,7 +71,8 @@ class ServeSettings(BaseModel):
     block_size: int | None = Field(None, ge=1, description="KV block size if the server "
                                    "does not report it")
     max_num_batched_tokens: int | None = Field(
-        None, ge=1, description="the server's --max-num-batched-tokens (sliding-window caps)")
+        None, ge=1, description="the server's --max-num-batched-tokens: the prefill chunk, "
+        "which sets a sliding-window request's prefill peak")
     metrics_interval_s: float = Field(1.0, gt=0, le=60,
                                       description="how often to scrape the server's /metrics")
     metrics_stale_s: float = Field(10.0, gt=0, description="age after which server metrics "
@@ -80,6 +81,10 @@ class ServeSettings(BaseModel):
         None, description="where kvgate subscribes to vLLM's KV cache events (vLLM's "
         "--kv-events-config endpoint, seen from kvgate), e.g. ipc:///run/kvgate/kv-events.sock "
         "or tcp://127.0.0.1:5557")
+    kv_events_stale_s: float = Field(
+        5.0, gt=0, description="kvgate sent the server prompt blocks it did not hold this "
+        "long ago and no KV cache event came since: the events are stale, and kvgate models "
+        "the server's cache from its own traffic until they flow again")
     mamba_cache_mode: Literal["auto", "align", "none"] = Field(
         "auto", description="the server's --mamba-cache-mode (Mamba / gated-delta-net "
         "hybrids): align holds 2 state blocks per request, none 1; auto: align with prefix "
@@ -96,6 +101,10 @@ class ServeSettings(BaseModel):
     data_parallel_size: int = Field(
         1, ge=1, le=1024, description="the server's --data-parallel-size: engines with a KV "
         "pool each; a request lands on one of them")
+    prefix_caching: Literal["auto", "on", "off"] = Field(
+        "auto", description="whether the server shares prompt blocks between requests with a "
+        "common prefix (vLLM's --enable-prefix-caching); auto: as its cache_config_info says, "
+        "on when it does not say (vLLM's default)")
     connect_timeout_s: float = Field(5.0, gt=0, description="upstream connect timeout")
     read_timeout_s: float = Field(600.0, gt=0,
                                   description="longest silence while reading an upstream response")
@@ -110,6 +119,11 @@ class ServeSettings(BaseModel):
     calibration_file: str | None = Field(
         None, description="where to keep the calibration across restarts (safe to lose)")
     log_prompts: bool = Field(False, description="log prompts (never logged otherwise)")
+    access_log: str = Field(
+        "stdout", min_length=1, description="one line per proxied request, at its end: off, "
+        "stdout or a file path (appended to, reopened when rotated)")
+    access_log_format: Literal["json", "kv"] = Field(
+        "json", description="access-log lines as JSON objects or key=value pairs")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info",
                                                                     description="log level")
 
