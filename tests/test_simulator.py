@@ -459,3 +459,18 @@ def test_the_pool_is_never_overdrawn_and_returns_to_empty(config: dict[str, Any]
         assert engine.reserved == 0 and engine.n_dec == 0
         if gate is not None:
             assert result.preemptions == 0
+
+
+def test_kvgate_reserves_a_groups_shared_prefix_once() -> None:
+    # Each request peaks at cdiv(649, 16) = 41 blocks, 32 of them the shared prefix:
+    # kvgate (94 of 99 blocks) sends all four at once (41 + 3 x 9), but only two
+    # without the prefix group.
+    model = served(blocks=100)
+    shared = [SimRequest(0.0, 600, 50, "system", 512) for _ in range(4)]
+    alone = [SimRequest(0.0, 600, 50) for _ in range(4)]
+    gated = simulate(model, Trace(shared), exact(model), KvgateGate(0.95))
+    assert [r.admitted_s for r in gated.records] == [0.0] * 4
+    unshared = simulate(model, Trace(alone), exact(model), KvgateGate(0.95))
+    admitted = [r.admitted_s or 0.0 for r in unshared.records]
+    assert admitted[:2] == [0.0, 0.0] and min(admitted[2:]) > 0
+    assert gated.preemptions == unshared.preemptions == 0

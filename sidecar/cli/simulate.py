@@ -31,9 +31,10 @@ kvgate's roofline. It runs the trace twice:
 
   vLLM alone      every request goes straight to vLLM's queue;
   through kvgate  a request is sent only when the KV blocks reserved for the requests
-                  already sent (each at its peak) fit in --kv-target-ratio of the
-                  cache; the others wait in arrival order, and a request that can
-                  never fit is refused (never_fits).
+                  already sent (each at its peak, a prefix group's shared blocks
+                  once) fit in --kv-target-ratio of the cache; the others wait in
+                  arrival order, and a request that can never fit is refused
+                  (never_fits).
 
 and prints, for each, TTFT, TPOT, inter-token latency and end-to-end time
 (p50/p90/p99), throughput, preemptions and KV use: a what-if for tuning

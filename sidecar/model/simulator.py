@@ -52,7 +52,7 @@ from typing import Any, Literal
 
 from sidecar.model.errors import ModelError
 from sidecar.model.latency import Prefill, Roofline
-from sidecar.model.planning import prefix_hit_tokens
+from sidecar.model.planning import prefix_hit_tokens, shared_prefix_blocks
 from sidecar.model.served import ServedModel
 from sidecar.model.simulator_results import RequestRecord, SimulationResult
 from sidecar.model.simulator_workload import (
@@ -119,8 +119,9 @@ class EngineConfig:
 class KvgateGate:
     """kvgate in front of the engine, simplified: a request is sent to the engine only
     when the blocks reserved for the requests it sent (each at its lifecycle peak,
-    `lifecycle.peak_blocks`) fit in target_ratio x usable blocks; the others wait in
-    arrival order. A request whose peak alone does not fit is refused (never_fits)."""
+    `lifecycle.peak_blocks`, a prefix group's shared prompt blocks once) fit in
+    target_ratio x usable blocks; the others wait in arrival order. A request whose
+    peak alone does not fit is refused (never_fits)."""
 
     target_ratio: float = 0.95
 
@@ -187,6 +188,8 @@ class _Req:
         "computed",
         "d_base",
         "decoding",
+        "gate_own",
+        "gate_shared",
         "gen_base",
         "generated",
         "group",
@@ -232,6 +235,8 @@ class _Req:
         self.running = False
         self.last_token_s = 0.0
         self.peak = 0
+        self.gate_own = 0  # blocks kvgate reserved for it, shared prompt blocks aside
+        self.gate_shared = 0  # prompt blocks kvgate reserves once for its prefix group
         # After a preemption: its freed blocks in the LRU, the prefix block they start
         # at and how many of them hold whole computed blocks (reusable on its return).
         self.cache_entry: list[object] | None = None
@@ -267,6 +272,7 @@ class _Engine:
         self.arrivals: list[tuple[float, int, SimRequest]] = []
         self.arrival_seq = 0
         self.gate_queue: deque[_Req] = deque()
+        self.gate_groups: dict[str, list[int]] = {}  # admitted members, shared blocks
         self.reserved = 0
         self.fcfs: deque[_Req] = deque()
         self.prio: list[tuple[int, float, int, _Req]] = []
@@ -354,6 +360,9 @@ class _Engine:
                 continue
             if spec.prefix_group is not None and spec.prefix_tokens and self.prefix_on:
                 req.group = self.groups.setdefault(spec.prefix_group, _Group())
+            if self.gate and spec.prefix_group is not None and self.config.prefix_caching:
+                req.gate_shared = shared_prefix_blocks(self.served, spec.prefix_tokens,
+                                                       spec.prompt_tokens)
             if self.gate:
                 self.gate_queue.append(req)
             else:
@@ -363,12 +372,41 @@ class _Engine:
             self._gate_admit()
 
     def _gate_admit(self) -> None:
+        """Send queued requests while their reservations fit. As kvgate's ledger does,
+        a prefix group's shared prompt blocks are reserved once, while any of its
+        requests is admitted; each request reserves its peak less them."""
         queue = self.gate_queue
-        while queue and self.reserved + queue[0].peak <= self.gate_cap:
-            req = queue.popleft()
-            self.reserved += req.peak
+        while queue:
+            req = queue[0]
+            spec = req.rec.request
+            group = (self.gate_groups.get(spec.prefix_group)
+                     if req.gate_shared and spec.prefix_group is not None else None)
+            if group is not None and group[0] > 0:
+                own, shared = req.peak - min(req.gate_shared, group[1]), 0
+            else:
+                own, shared = req.peak - req.gate_shared, req.gate_shared
+            if self.reserved + own + shared > self.gate_cap:
+                break
+            queue.popleft()
+            req.gate_own = own
+            self.reserved += own + shared
+            if req.gate_shared:
+                assert spec.prefix_group is not None
+                entry = self.gate_groups.setdefault(spec.prefix_group, [0, 0])
+                if entry[0] == 0:
+                    entry[1] = shared
+                entry[0] += 1
             req.rec.admitted_s = self.now
             self._enqueue(req, front=False)
+
+    def _gate_release(self, req: _Req) -> None:
+        self.reserved -= req.gate_own
+        if req.gate_shared:
+            entry = self.gate_groups[str(req.rec.request.prefix_group)]
+            entry[0] -= 1
+            if entry[0] == 0:
+                self.reserved -= entry[1]
+        self._gate_admit()
 
     def _refuse_head(self) -> None:
         req = self._peek_waiting()
@@ -377,8 +415,7 @@ class _Engine:
         self._pop_waiting()
         req.rec.rejected = "never_fits"
         if self.gate:
-            self.reserved -= req.peak
-            self._gate_admit()
+            self._gate_release(req)
         self._after(req.rec.request, self.now)
 
     def _after(self, spec: SimRequest, when: float) -> None:
@@ -802,8 +839,7 @@ class _Engine:
         self.prefilling.pop(req.seq, None)
         req.rec.finish_s = self.now + self.per_request_s
         if self.gate:
-            self.reserved -= req.peak
-            self._gate_admit()
+            self._gate_release(req)
         self._after(req.rec.request, req.rec.finish_s)
 
     def _preempt(self, req: _Req) -> None:
