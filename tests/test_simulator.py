@@ -392,12 +392,12 @@ HYBRID = {**TINY_LLAMA, "model_type": "gemma2", "num_hidden_layers": 2, "head_di
                          ids=["full", "sliding", "hybrid", "sliding-small-budget"])
 def test_visiting_decoders_only_where_blocks_change_loses_nothing(
         config: dict[str, Any], chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    from sidecar.model import simulator
+    from sidecar.model import simulator_engine
 
     model = served(config=config, blocks=400, chunk=chunk, block=16)
     workload = OpenLoop(400.0, 60, Lengths(300, 200, spread=0.8), seed=5)
     fast = simulate(model, workload, exact(model, kv_samples=100_000))
-    monkeypatch.setattr(simulator._Engine, "_change_gaps", lambda self, served: [])
+    monkeypatch.setattr(simulator_engine.Engine, "_change_gaps", lambda self, served: [])
     slow = simulate(model, workload, exact(model, kv_samples=100_000))
     assert fast.kv_samples == slow.kv_samples
     assert fast.summary() == slow.summary()
@@ -432,7 +432,7 @@ def test_the_pool_is_never_overdrawn_and_returns_to_empty(config: dict[str, Any]
                                                           policy: str) -> None:
     import random
 
-    from sidecar.model.simulator import _Engine
+    from sidecar.model.simulator_engine import Engine as _Engine
 
     rng = random.Random(7)
     # 119 usable blocks hold one max_model_len (1,024-token) request, as vLLM
