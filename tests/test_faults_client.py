@@ -395,3 +395,18 @@ async def test_unknown_fields_are_passed_through(proxy: FaultProxy, gated: Sidec
     assert all(sent[name] == value for name, value in extra.items()), sent
     sent = json.loads(proxy.forwarded("/v1/chat/completions", since=started)[0].body)
     assert sent["kvgate_test_unknown"] == "kept" and sent["logit_bias"] == {"5": 1}
+
+
+async def test_the_request_id_reaches_the_server_on_every_call_kvgate_makes(
+    proxy: FaultProxy, gated: Sidecar
+) -> None:
+    started = time.time()
+    async with aiohttp.ClientSession() as session:
+        result = await post_stream(session, gated.url + "/v1/completions", completion(8),
+                                   headers={"x-request-id": "rid-joined-1"})
+    assert result.status == 200
+    # The prompt count (vLLM: tokenize-<id>) and the generation (cmpl-<id>) both carry it.
+    for path in ("/tokenize", "/v1/completions"):
+        seen = proxy.requests(path, "POST", since=started)
+        ids = [{k.lower(): v for k, v in s.headers.items()}.get("x-request-id") for s in seen]
+        assert ids == ["rid-joined-1"], path

@@ -137,7 +137,8 @@ async def _generation(request: web.Request, services: Services) -> web.StreamRes
         return _unavailable(f"not ready to admit requests: {reason}")
     if services.settings.log_prompts:
         log.info("prompt %s: %s", request.path, body)
-    prompt_tokens, token_ids = await _count_prompt(services, gen)
+    prompt_tokens, token_ids = await _count_prompt(services, gen,
+                                                   access_log.REQUEST_ID.get())
     services.refresh()
     admission = AdmissionRequest(
         block_keys=prompt_keys(controller, body, gen, token_ids,
@@ -160,8 +161,8 @@ async def _generation(request: web.Request, services: Services) -> web.StreamRes
     return await forward(request, raw, services, ticket=ticket, gen=gen, arrived_at=arrived_at)
 
 
-async def _count_prompt(services: Services,
-                        gen: GenerationRequest) -> tuple[int, tuple[int, ...] | None]:
+async def _count_prompt(services: Services, gen: GenerationRequest,
+                        request_id: str | None = None) -> tuple[int, tuple[int, ...] | None]:
     """The prompt's token count (the longest of a batch), from the server's /tokenize,
     and the token ids of a single prompt when the server returned them."""
     counts = list(gen.token_counts)
@@ -171,7 +172,7 @@ async def _count_prompt(services: Services,
         if client is None:
             raise UpstreamError("connect", "no upstream client")
         for payload in gen.tokenize_payloads:
-            tokenized = await client.tokenize(payload)
+            tokenized = await client.tokenize(payload, request_id)
             counts.append(tokenized.count)
             token_ids = tokenized.token_ids
     except UpstreamError as exc:

@@ -58,11 +58,12 @@ class UpstreamClient:
         return self.base_url + path
 
     async def _request(
-        self, method: str, path: str, payload: Mapping[str, Any] | None = None
+        self, method: str, path: str, payload: Mapping[str, Any] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> str:
         try:
             async with self.session.request(
-                method, self.url(path), json=payload, timeout=self._timeout
+                method, self.url(path), json=payload, timeout=self._timeout, headers=headers
             ) as response:
                 text = await response.text()
                 if response.status >= 400:
@@ -78,8 +79,9 @@ class UpstreamClient:
             raise UpstreamError("protocol", f"{method} {path}: {exc}") from exc
 
     async def _json(self, method: str, path: str,
-                    payload: Mapping[str, Any] | None = None) -> Any:
-        text = await self._request(method, path, payload)
+                    payload: Mapping[str, Any] | None = None,
+                    headers: Mapping[str, str] | None = None) -> Any:
+        text = await self._request(method, path, payload, headers)
         try:
             return json.loads(text)
         except json.JSONDecodeError as exc:
@@ -109,9 +111,12 @@ class UpstreamClient:
         except ValueError as exc:
             raise UpstreamError("protocol", f"GET /metrics: {exc}") from exc
 
-    async def tokenize(self, payload: Mapping[str, Any]) -> Tokenized:
-        """The token ids the server will see for a prompt or chat messages."""
-        data = await self._json("POST", "/tokenize", payload)
+    async def tokenize(self, payload: Mapping[str, Any],
+                       request_id: str | None = None) -> Tokenized:
+        """The token ids the server will see for a prompt or chat messages (the server
+        logs the call as `tokenize-<request_id>`)."""
+        headers = {"X-Request-Id": request_id} if request_id else None
+        data = await self._json("POST", "/tokenize", payload, headers)
         count = data.get("count") if isinstance(data, dict) else None
         if not isinstance(count, int) or isinstance(count, bool) or count < 0:
             raise UpstreamError("protocol", "POST /tokenize: no 'count'")
