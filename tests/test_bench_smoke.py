@@ -181,7 +181,7 @@ def test_prefix_burst_smoke(tmp_path: Path) -> None:
         shared = data["cases"]["warm"]["bursts"][path][0]["kvgate"]["shared_blocks"]
         assert sum(1 for blocks in shared if blocks >= 29) >= 15, (path, shared)
         ledger = paths[path]["ledger_after"]
-        assert ledger["reserved_blocks"] == 0 and ledger["shared_blocks"] == 0
+        assert ledger["reserved_blocks"] == 0 and ledger["held_prompt_blocks"] == 0
 
 
 @pytest.mark.vllm
