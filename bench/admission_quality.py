@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import random
@@ -97,7 +98,9 @@ POLICIES = ("vllm", "static_cap", "threshold", "kvgate")
 # Variants for investigating kvgate's settings (not run unless named in --policies):
 # kvgate reading the server's /metrics every 0.2 s (as the threshold proxy does)
 # instead of its default 1 s.
-VARIANTS = {"kvgate_metrics_0.2s": ("--metrics-interval-s", "0.2")}
+# kvgate_traffic (the agentic workload): kvgate not subscribed to the server's KV cache
+# events, modelling its prefix cache from kvgate's own traffic.
+VARIANTS = {"kvgate_metrics_0.2s": ("--metrics-interval-s", "0.2"), "kvgate_traffic": ()}
 # kvgate's custom device for these CPUs (the same figures as the end-to-end tests);
 # calibration refines the efficiencies against the live server.
 CPU_DEVICE = ("--gpu-memory-gib", "24", "--gpu-bandwidth-gbps", "20", "--gpu-tflops", "0.5")
@@ -142,6 +145,11 @@ class Item:
     prompt: str
     prompt_tokens: int
     max_tokens: int
+    # The agentic workload: which session, which turn (1 = the first), and how long the
+    # client thinks after the previous turn's end before sending this one.
+    session: int = -1
+    turn: int = 0
+    think_s: float = 0.0
 
 
 DEFAULT_TENANTS = (
@@ -246,6 +254,174 @@ def describe_workload(spec: WorkloadSpec, items: Sequence[Item]) -> dict[str, An
     }
 
 
+# ---- the agentic workload (prefix caching on) ----------------------------------------------
+
+RUN_MARK = "{run}"
+
+
+@dataclass(frozen=True)
+class SessionMix:
+    """One tenant of the agentic workload: sessions of several turns sharing the tenant's
+    tool/system prompt; each turn's prompt is the previous prompt + its answer + new text."""
+
+    name: str
+    share: float  # of sessions
+    system_tokens: int  # the tenant's tool/system prompt, shared by its sessions
+    first_tokens: tuple[int, int]  # the session's first message
+    turn_tokens: tuple[int, int]  # new text each later turn adds (a tool result, a message)
+    output_tokens: tuple[int, int]
+    turns: tuple[int, int]
+    think_s: tuple[float, float]  # between a turn's end and the next turn
+    high_priority: float  # share of sessions in the high class
+
+
+AGENTIC_TENANTS = (
+    SessionMix("agent", 0.5, 288, (48, 96), (24, 64), (16, 48), (3, 5), (0.2, 1.0), 0.5),
+    SessionMix("assistant", 0.5, 160, (32, 80), (24, 64), (32, 96), (2, 4), (0.5, 1.5), 0.7),
+)
+
+
+def agentic_spec(args: argparse.Namespace) -> WorkloadSpec:
+    """Session arrivals: on/off Poisson like the unique workload's requests."""
+    return WorkloadSpec(seed=args.seed, duration_s=args.duration, burst_s=args.burst_s,
+                        lull_s=args.lull_s, burst_rate=args.session_burst_rate,
+                        lull_rate=args.session_lull_rate, tenants=())
+
+
+async def tokens_per_word(url: str) -> float:
+    rng = random.Random(7)
+    sample = " ".join(rng.choice(WORDS) for _ in range(2000))
+    async with aiohttp.ClientSession() as session:
+        return await tokenize(session, url, sample) / 2000
+
+
+def words_for(rng: random.Random, tokens: int, per_word: float) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(max(1, round(tokens / per_word))))
+
+
+async def build_agentic(spec: WorkloadSpec, url: str, max_model_len: int) -> list[Item]:
+    """Sessions as items: the first turn at the session's arrival, each later turn
+    `think_s` after the previous one ends. Every prompt starts with RUN_MARK, replaced
+    by a nonce per run (so that nothing one run cached serves the next). A session ends
+    before a turn that would not fit in `max_model_len`."""
+    rng = random.Random(spec.seed)
+    per_word = await tokens_per_word(url)
+    systems = {mix.name: f"You are the {mix.name}. Tools and rules: "
+               + words_for(rng, mix.system_tokens, per_word) for mix in AGENTIC_TENANTS}
+    drafts: list[tuple[float, SessionMix, str, int, int, float, str, int]] = []
+    for session, at in enumerate(arrivals(spec, rng)):
+        mix = rng.choices(AGENTIC_TENANTS, weights=[t.share for t in AGENTIC_TENANTS])[0]
+        priority = "high" if rng.random() < mix.high_priority else "low"
+        prompt = (f"{RUN_MARK} {systems[mix.name]} Session {session}: "
+                  + words_for(rng, rng.randint(*mix.first_tokens), per_word))
+        for turn in range(1, rng.randint(*mix.turns) + 1):
+            max_tokens = rng.randint(*mix.output_tokens)
+            think = 0.0 if turn == 1 else round(rng.uniform(*mix.think_s), 3)
+            drafts.append((at, mix, priority, session, turn, think, prompt, max_tokens))
+            # The next turn: this prompt, this turn's answer (as many words as it has
+            # tokens, standing in for the text), and new text.
+            prompt = (f"{prompt} ANSWER: {words_for(rng, max_tokens, per_word)} USER: "
+                      + words_for(rng, rng.randint(*mix.turn_tokens), per_word))
+    async with aiohttp.ClientSession() as http:
+        semaphore = asyncio.Semaphore(8)
+
+        async def count(text: str) -> int:
+            async with semaphore:
+                return await tokenize(http, url, text.replace(RUN_MARK, "run 0000"))
+
+        counts = await asyncio.gather(*(count(d[6]) for d in drafts))
+    items: list[Item] = []
+    ended: set[int] = set()
+    for draft, tokens in zip(drafts, counts, strict=True):
+        if draft[3] in ended or tokens + draft[7] > max_model_len:
+            ended.add(draft[3])
+            continue
+        items.append(Item(len(items), round(draft[0], 4), draft[1].name, draft[2], draft[6],
+                          tokens, draft[7], session=draft[3], turn=draft[4],
+                          think_s=draft[5]))
+    return items
+
+
+def describe_agentic(spec: WorkloadSpec, items: Sequence[Item]) -> dict[str, Any]:
+    sessions = sorted({i.session for i in items})
+    by_tenant: dict[str, dict[str, Any]] = {}
+    for mix in AGENTIC_TENANTS:
+        mine = [i for i in items if i.tenant == mix.name]
+        by_tenant[mix.name] = {
+            "share_of_sessions": mix.share, "system_prompt_tokens": mix.system_tokens,
+            "first_message_tokens_range": list(mix.first_tokens),
+            "new_tokens_per_turn_range": list(mix.turn_tokens),
+            "output_tokens_range": list(mix.output_tokens), "turns_range": list(mix.turns),
+            "think_s_range": list(mix.think_s), "high_priority_share": mix.high_priority,
+            "sessions": len({i.session for i in mine}), "requests": len(mine),
+            "offered_tokens": sum(i.prompt_tokens + i.max_tokens for i in mine),
+        }
+    sizes = [i.prompt_tokens + i.max_tokens for i in items]
+    return {
+        "kind": "agentic sessions, prefix caching on",
+        "seed": spec.seed, "duration_s": spec.duration_s,
+        "arrivals": {"kind": "on/off Poisson session starts", "burst_s": spec.burst_s,
+                     "lull_s": spec.lull_s, "burst_rate_per_s": spec.burst_rate,
+                     "lull_rate_per_s": spec.lull_rate},
+        "sessions": len(sessions), "requests": len(items),
+        "offered_rate_per_s": round(len(items) / spec.duration_s, 2),
+        "mean_request_tokens": round(sum(sizes) / len(sizes), 1) if sizes else None,
+        "max_prompt_tokens": max(i.prompt_tokens for i in items),
+        "tenants": by_tenant,
+        "turns": "each turn's prompt = the previous turn's prompt + its answer (words "
+                 "standing in for the answer's tokens) + new text; the next turn is sent its "
+                 "think time after the previous one ends (or is refused); a run's prompts all "
+                 "start with a nonce of their own, so nothing cached in one run serves another",
+        "request": "POST /v1/completions, stream, ignore_eos, max_tokens as drawn; headers "
+                   "x-kvgate-priority, x-kvgate-tenant, x-kvgate-ttft-slo-ms",
+    }
+
+
+def for_run(item: Item, nonce: str) -> Item:
+    return dataclasses.replace(item, prompt=item.prompt.replace(RUN_MARK, nonce, 1))
+
+
+async def play_sessions(url: str, items: Sequence[Item], ttft_target_s: float,
+                        end_s: float) -> tuple[list[Outcome], float]:
+    """Each session's turns one after the other (closed loop within a session), sessions
+    starting at their arrival times (open loop); cut off `end_s` after the start."""
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    sessions: dict[int, list[int]] = {}
+    for position, item in enumerate(items):
+        sessions.setdefault(item.session, []).append(position)
+    outcomes = [new_outcome(item) for item in items]
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=None)) as session:
+        epoch = time.perf_counter() + 0.2
+
+        async def one_session(positions: list[int]) -> None:
+            first = items[positions[0]]
+            delay = epoch + first.at_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            for position in positions:
+                item = items[position]
+                if item.think_s > 0:
+                    await asyncio.sleep(item.think_s)
+                await send(session, url, item, ttft_target_s, epoch, outcomes[position])
+
+        async def bounded(positions: list[int]) -> None:
+            remaining = epoch + end_s - time.perf_counter()
+            try:
+                await asyncio.wait_for(one_session(positions), max(0.0, remaining))
+            except TimeoutError:
+                for position in positions:
+                    outcome = outcomes[position]
+                    if outcome.status is None or (outcome.status == 200
+                                                  and not outcome.completed
+                                                  and outcome.error is None):
+                        outcome.error = CUT_OFF
+                        outcome.end_s = time.perf_counter() - epoch
+
+        await asyncio.gather(*(bounded(p) for p in sessions.values()))
+    return outcomes, epoch
+
+
 # ---- one request, one run ------------------------------------------------------------------
 
 
@@ -256,6 +432,7 @@ class Outcome:
     priority: str
     prompt_tokens: int
     max_tokens: int
+    turn: int = 0
     sent_s: float = 0.0
     status: int | None = None
     ttft_s: float | None = None
@@ -270,6 +447,11 @@ class Outcome:
     predicted_ttft_ms: float | None = None
     predicted_tpot_ms: float | None = None
     queue_ms: float | None = None
+    cached_tokens: float | None = None  # predicted prefix hits (x-kvgate-cached-tokens)
+    shared_blocks: float | None = None  # x-kvgate-kv-shared-blocks
+    # A kvgate refusal's figures (its error body's "kvgate" object: headroom, predicted
+    # prefill and TTFT, ...), for --dump-requests.
+    kvgate_details: dict[str, Any] | None = None
 
     @property
     def completed(self) -> bool:
@@ -289,7 +471,8 @@ def _float_header(response: aiohttp.ClientResponse, name: str) -> float | None:
 
 
 def new_outcome(item: Item) -> Outcome:
-    return Outcome(item.index, item.tenant, item.priority, item.prompt_tokens, item.max_tokens)
+    return Outcome(item.index, item.tenant, item.priority, item.prompt_tokens, item.max_tokens,
+                   item.turn)
 
 
 async def send(session: aiohttp.ClientSession, url: str, item: Item, ttft_target_s: float,
@@ -312,11 +495,16 @@ async def send(session: aiohttp.ClientSession, url: str, item: Item, ttft_target
             outcome.predicted_ttft_ms = _float_header(response, "x-kvgate-predicted-ttft-ms")
             outcome.predicted_tpot_ms = _float_header(response, "x-kvgate-predicted-tpot-ms")
             outcome.queue_ms = _float_header(response, "x-kvgate-queue-ms")
+            outcome.cached_tokens = _float_header(response, "x-kvgate-cached-tokens")
+            outcome.shared_blocks = _float_header(response, "x-kvgate-kv-shared-blocks")
             if response.status != 200:
                 outcome.retry_after = response.headers.get("Retry-After")
                 text = await response.text()
                 try:
-                    error = json.loads(text).get("error", {})
+                    parsed = json.loads(text)
+                    error = parsed.get("error", {})
+                    if isinstance(parsed.get("kvgate"), dict):
+                        outcome.kvgate_details = parsed["kvgate"]
                     if isinstance(error, dict):
                         outcome.code = str(error.get("code"))
                         outcome.message = str(error.get("message"))[:300]
@@ -549,7 +737,18 @@ def evaluate(outcomes: Sequence[Outcome], items: Sequence[Item], duration_s: flo
         "completed_output_tokens": sum(o.output_tokens for o in served),
         "makespan_s": round(max(ends), 2) if ends else None,
         **prediction_accuracy(served),
+        **later_turns(served),
     }
+
+
+def later_turns(served: Sequence[Outcome]) -> dict[str, Any]:
+    """The agentic workload: kvgate's predictions for turns after the first (their
+    history is cached on the server when they arrive, unless it was evicted)."""
+    later = [o for o in served if o.turn > 1]
+    accuracy = prediction_accuracy(later)
+    if not accuracy:
+        return {}
+    return {"kvgate_predictions_later_turns": accuracy["kvgate_predictions"]}
 
 
 def prediction_accuracy(served: Sequence[Outcome]) -> dict[str, Any]:
@@ -613,6 +812,11 @@ class Bench:
     tpot_target_s: float = 0.0
     capacity_blocks: int = 0
     block_size: int = 32
+    # The agentic workload: sessions of turns, each run's prompts led by a nonce of its
+    # own; kvgate subscribes to the server's KV cache events here (None: no events).
+    agentic: bool = False
+    events_endpoint: str | None = None
+    runs_played: int = 0
 
     @property
     def cap(self) -> int:
@@ -644,10 +848,12 @@ class Bench:
                       "metrics_interval_s": 0.2, "sheddable": "x-kvgate-priority: low"}
             ready = f"http://127.0.0.1:{port}/baseline/stats"
         else:
+            events = (("--kv-events-endpoint", self.events_endpoint)
+                      if self.events_endpoint and policy != "kvgate_traffic" else ())
             argv = [sys.executable, "-m", "sidecar", "serve", "--upstream", upstream,
                     "--host", "127.0.0.1", "--port", str(port), "--mode", "enforce",
                     *CPU_DEVICE, "--queue-max-wait-s", f"{self.ttft_target_s:.3f}",
-                    "--log-level", "warning", *VARIANTS.get(policy, ())]
+                    "--log-level", "warning", *events, *VARIANTS.get(policy, ())]
             config = {"argv": ["kvgate", *argv[3:]]}
             ready = f"http://127.0.0.1:{port}/readyz"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
@@ -729,8 +935,13 @@ class Bench:
         """When a run stops: after the last arrival, the longest a request that meets
         both targets can take, and 5 s more. Cutting off there never costs goodput."""
         longest = max(i.max_tokens for i in self.items)
-        return (self.spec.duration_s + self.ttft_target_s + longest * self.tpot_target_s
-                + 5.0)
+        one = self.ttft_target_s + longest * self.tpot_target_s
+        if self.agentic:
+            # A session's turns one after the other, each with its think time.
+            turns = max(i.turn for i in self.items)
+            think = max(i.think_s for i in self.items)
+            return self.spec.duration_s + turns * (one + think) + 5.0
+        return self.spec.duration_s + one + 5.0
 
     def good(self, o: Outcome) -> bool:
         return (o.completed and o.ttft_s is not None and o.ttft_s <= self.ttft_target_s
@@ -749,7 +960,12 @@ class Bench:
         stop = asyncio.Event()
         sampler = asyncio.create_task(sample_server(self.server.url, sample, stop))
         try:
-            outcomes, _ = await play(url, self.items, self.ttft_target_s, self.end_s)
+            if self.agentic:
+                self.runs_played += 1
+                items = [for_run(i, f"run {self.runs_played:04d}") for i in self.items]
+                outcomes, _ = await play_sessions(url, items, self.ttft_target_s, self.end_s)
+            else:
+                outcomes, _ = await play(url, self.items, self.ttft_target_s, self.end_s)
         finally:
             stop.set()
             await sampler
@@ -821,7 +1037,8 @@ def measure_unloaded(bench: Bench, args: argparse.Namespace) -> dict[str, Any]:
         quiet_wait_s = args.quiet.wait()
         before = bench.cpu(None)
         started = time.monotonic()
-        unloaded = unloaded_baseline(bench.server, bench.items, args.baseline_requests)
+        items = [for_run(i, f"run {9000 + len(attempts):04d}") for i in bench.items]
+        unloaded = unloaded_baseline(bench.server, items, args.baseline_requests)
         after = bench.cpu(None)
         elapsed = time.monotonic() - started
         other = max(0.0, (after["machine"] - before["machine"]) - (after["vllm"] - before["vllm"])
@@ -861,17 +1078,26 @@ def spec_from(args: argparse.Namespace) -> WorkloadSpec:
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     python, model = locate(args)
     started = time.monotonic()
-    spec = spec_from(args)
+    agentic = args.workload == "agentic"
+    spec = agentic_spec(args) if agentic else spec_from(args)
     report: dict[str, Any] = {
         "benchmark": "admission_quality",
         **provenance("bench/admission_quality.py"),
     }
     policies = [p for p in (*POLICIES, *VARIANTS) if p in args.policies.split(",")]
     with temporary_directory("kvgate-admission-", keep=args.keep_logs) as tmp:
+        # Unique prompts: prefix caching off (replaying the workload for the next policy
+        # would find it cached). Agentic: vLLM's default, prefix caching on, and its KV
+        # cache events on an ipc socket (kvgate subscribes); every run has prompts of
+        # its own.
+        events_endpoint = f"ipc://{tmp / 'kv-events.sock'}" if agentic else None
+        extra_args = ["--kv-events-config", json.dumps({
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_endpoint,
+            "topic": "kv"})] if agentic else ["--no-enable-prefix-caching"]
         server: VllmServer = VllmServer(
             python, str(model), MODEL, free_port(), max_model_len=args.max_model_len,
             block_size=args.block_size, num_gpu_blocks_override=args.num_blocks,
-            max_num_seqs=args.max_num_seqs, extra_args=["--no-enable-prefix-caching"],
+            max_num_seqs=args.max_num_seqs, extra_args=extra_args,
             log_path=str(tmp / "vllm.log"),
         )
         if args.server_url:
@@ -891,13 +1117,20 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 "max_model_len": args.max_model_len, "block_size": block_size,
                 "num_gpu_blocks": num_blocks, "usable_blocks": num_blocks - 1,
                 "kv_cache_tokens": num_blocks * block_size,
-                "max_num_seqs": args.max_num_seqs, "prefix_caching": False,
+                "max_num_seqs": args.max_num_seqs, "prefix_caching": agentic,
+                "kv_events": "zmq on an ipc socket in a temporary directory" if agentic
+                else None,
                 "startup_s": rounded(server.startup_seconds, 1),
             }
-            items = asyncio.run(build_workload(spec, server.url))
-            report["workload"] = describe_workload(spec, items)
+            if agentic:
+                items = asyncio.run(build_agentic(spec, server.url, args.max_model_len))
+                report["workload"] = describe_agentic(spec, items)
+            else:
+                items = asyncio.run(build_workload(spec, server.url))
+                report["workload"] = describe_workload(spec, items)
             bench = Bench(args, server, tmp, items, spec, capacity_blocks=num_blocks - 1,
-                          block_size=block_size)
+                          block_size=block_size, agentic=agentic,
+                          events_endpoint=events_endpoint)
             unloaded = measure_unloaded(bench, args)
             bench.ttft_target_s = args.ttft_multiple * unloaded["ttft_ms"]["p50"] / 1000
             bench.tpot_target_s = args.tpot_multiple * unloaded["tpot_ms"]["p50"] / 1000
@@ -966,6 +1199,15 @@ def compare(results: dict[str, Any]) -> dict[str, Any]:
             kvgate_goodput_at_least_best_other=goodput["kvgate"] >= others[best_other],
             kvgate_zero_preemptions=preemptions["kvgate"] == 0,
         )
+        peers = {p: g for p, g in others.items() if p != "vllm"}
+        if "vllm" in goodput:
+            comparison["kvgate_goodput_at_least_vllm"] = goodput["kvgate"] >= goodput["vllm"]
+        if peers:
+            best_peer = max(peers, key=lambda p: peers[p])
+            comparison.update(
+                best_peer_policy=best_peer,
+                kvgate_over_best_peer=(rounded(goodput["kvgate"] / peers[best_peer], 2)
+                                       if peers[best_peer] else None))
     return comparison
 
 
@@ -979,9 +1221,12 @@ def print_report(report: dict[str, Any]) -> None:
     print(f"\n{report['command']}  ({report['date']}, {machine['cpu_model']}, "
           f"{machine['cpu_cores']} cores)")
     targets = report["targets"]
-    print(f"workload: {report['workload']['requests']} requests in "
-          f"{report['workload']['duration_s']:g} s; targets TTFT <= {targets['ttft_ms']} ms, "
-          f"TPOT <= {targets['tpot_ms']} ms ({targets['basis']})\n")
+    sessions = (f"{report['workload']['sessions']} agentic sessions, "
+                if "sessions" in report["workload"] else "")
+    print(f"workload: {sessions}{report['workload']['requests']} requests in "
+          f"{report['workload']['duration_s']:g} s; prefix caching "
+          f"{'on' if report['server'].get('prefix_caching') else 'off'}; targets TTFT <= "
+          f"{targets['ttft_ms']} ms, TPOT <= {targets['tpot_ms']} ms ({targets['basis']})\n")
     rows = []
     for policy, r in report["policies"].items():
         rows.append([policy, r["goodput_rps"], f"{r['good']}/{r['requests']}", r["preemptions"],
@@ -1014,13 +1259,29 @@ def print_report(report: dict[str, Any]) -> None:
         print(f"\nkvgate goodput >= best other ({comparison['best_other_policy']}): "
               f"{comparison['kvgate_goodput_at_least_best_other']}; kvgate preemptions zero: "
               f"{comparison['kvgate_zero_preemptions']}")
+    if "kvgate_over_best_peer" in comparison:
+        print(f"kvgate goodput >= vLLM alone: {comparison.get('kvgate_goodput_at_least_vllm')}; "
+              f"kvgate / best peer ({comparison['best_peer_policy']}): "
+              f"{comparison['kvgate_over_best_peer']}")
+    for policy, r in report["policies"].items():
+        for key, label in (("kvgate_predictions", "all requests"),
+                           ("kvgate_predictions_later_turns", "turns after the first")):
+            if key in r:
+                ratio = r[key]["ttft_observed_over_predicted"]
+                print(f"{policy}: TTFT observed / predicted ({label}): p10 {ratio['p10']}, "
+                      f"p50 {ratio['p50']}, p90 {ratio['p90']}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="the short CI version")
+    parser.add_argument("--workload", choices=("unique", "agentic"), default="unique",
+                        help="unique: independent prompts, prefix caching off (default); "
+                        "agentic: sessions of several turns sharing their tenant's "
+                        "tool/system prompt, prefix caching on")
     parser.add_argument("--out", help="JSON output (default bench/results/admission_quality."
-                        "json; with --smoke a file in the temporary directory)")
+                        "json, agentic admission_quality_agentic.json; with --smoke a file in "
+                        "the temporary directory)")
     parser.add_argument("--seed", type=int, default=20240)
     parser.add_argument("--duration", type=float, help="seconds of arrivals (default 30; "
                         "smoke 12)")
@@ -1028,6 +1289,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--lull-s", type=float, default=4.0)
     parser.add_argument("--burst-rate", type=float, default=16.0, help="arrivals/s in bursts")
     parser.add_argument("--lull-rate", type=float, default=2.0, help="arrivals/s in lulls")
+    parser.add_argument("--session-burst-rate", type=float, default=3.0,
+                        help="agentic: session starts/s in bursts")
+    parser.add_argument("--session-lull-rate", type=float, default=0.5,
+                        help="agentic: session starts/s in lulls")
     parser.add_argument("--ttft-multiple", type=float, default=10.0)
     parser.add_argument("--tpot-multiple", type=float, default=3.0)
     parser.add_argument("--baseline-requests", type=int, default=16)
@@ -1070,8 +1335,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.wait_quiet = 0.0 if args.smoke else 90.0
     args.quiet = QuietBudget(args.wait_quiet, per_run_s=args.wait_quiet_per_run)
     if args.out is None:
-        args.out = (str(Path(os.environ.get("TMPDIR", "/tmp")) / "kvgate-admission-smoke.json")
-                    if args.smoke else str(RESULTS / "admission_quality.json"))
+        name = "admission_quality" + ("_agentic" if args.workload == "agentic" else "")
+        smoke = "kvgate-admission" + ("-agentic" if args.workload == "agentic" else "")
+        args.out = (str(Path(os.environ.get("TMPDIR", "/tmp")) / f"{smoke}-smoke.json")
+                    if args.smoke else str(RESULTS / f"{name}.json"))
     return args
 
 

@@ -366,9 +366,20 @@ def summarise(bursts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def paired(bursts: dict[str, list[dict[str, Any]]], path: str, key: str) -> list[float]:
+    """Per repetition, `path`'s figure over vLLM alone's (measured next to each other)."""
+    ratios = []
+    for mine, theirs in zip(bursts[path], bursts["vllm"], strict=False):
+        if mine[key] and theirs[key]:
+            ratios.append(round(mine[key] / theirs[key], 2))
+    return ratios
+
+
 def versus(paths: dict[str, dict[str, Any]], burst_limit: float,
-           ttft_limit: float | None) -> dict[str, Any]:
-    """Each kvgate path against vLLM alone in the same run: ratios of the medians."""
+           ttft_limit: float | None,
+           bursts: dict[str, list[dict[str, Any]]] | None = None) -> dict[str, Any]:
+    """Each kvgate path against vLLM alone in the same run: ratios of the medians (and,
+    with `bursts`, the ratios within each repetition)."""
     base = paths["vllm"]
     out: dict[str, Any] = {}
     for path, summary in paths.items():
@@ -387,6 +398,9 @@ def versus(paths: dict[str, dict[str, Any]], burst_limit: float,
         }
         if ttft_limit is not None:
             verdict["ttft_within"] = ttft is not None and ttft <= ttft_limit
+        if bursts is not None:
+            verdict["burst_ratio_per_repetition"] = paired(bursts, path, "burst_s")
+            verdict["ttft_ratio_per_repetition"] = paired(bursts, path, "ttft_ms_median")
         out[path] = verdict
     return out
 
@@ -568,7 +582,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 report["cases"][case] = {
                     "paths": summaries,
                     "bursts": bursts[case],
-                    "versus_vllm": versus(summaries, 1.2, 1.3) if "vllm" in paths else {},
+                    "versus_vllm": (versus(summaries, 1.2, 1.3, bursts[case])
+                                    if "vllm" in paths else {}),
                 }
             for path in paths:
                 url = proxies[path][1]
@@ -605,13 +620,21 @@ def print_report(report: dict[str, Any]) -> None:
             verdict = data["versus_vllm"].get(path, {})
             rows.append([path, s["served"], "/".join(str(p) for p in s["preemptions"]),
                          _spread(s["ttft_ms_median"], 0), _spread(s["burst_s"], 2),
-                         _spread(s["max_running"], 0), verdict.get("ttft_ratio"),
-                         verdict.get("burst_ratio"), s.get("other_load_max")])
+                         _spread(s["max_running"], 0), _ratios(verdict, "ttft"),
+                         _ratios(verdict, "burst"), s.get("other_load_max")])
         print(f"case {case}: {report['workload']['cases'][case]}")
         print(render_table(["path", "served", "preemptions", "median TTFT ms",
                             "burst done in s", "max running", "TTFT / vLLM",
                             "burst / vLLM", "other load (max)"], rows))
         print()
+
+
+def _ratios(verdict: dict[str, Any], key: str) -> str:
+    """The ratio of the medians, then the ratios within each repetition."""
+    if verdict.get(f"{key}_ratio") is None:
+        return "-"
+    each = verdict.get(f"{key}_ratio_per_repetition")
+    return f"{verdict[f'{key}_ratio']}" + (f" ({', '.join(map(str, each))})" if each else "")
 
 
 def _spread(s: dict[str, Any], digits: int) -> str:

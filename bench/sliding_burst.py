@@ -48,6 +48,7 @@ from bench.common import (  # noqa: E402
     temporary_directory,
 )
 from bench.prefix_burst import (  # noqa: E402
+    _ratios,
     _spread,
     common_arguments,
     fit,
@@ -137,7 +138,7 @@ def one_model(args: argparse.Namespace, python: str, models: Path, name: str, tm
             None)
         result["summary"] = summaries
         result["bursts"] = bursts
-        result["versus_vllm"] = versus(summaries, 1.5, None) if "vllm" in paths else {}
+        result["versus_vllm"] = versus(summaries, 1.5, None, bursts) if "vllm" in paths else {}
     finally:
         for process, _ in proxies.values():
             if process is not None:
@@ -185,7 +186,7 @@ def print_report(report: dict[str, Any]) -> None:
                          "/".join(str(p) for p in s["preemptions"]),
                          _spread(s["burst_s"], 2), _spread(s["ttft_ms_median"], 0),
                          _spread(s["max_running"], 0), s.get("kv_blocks_per_request"),
-                         verdict.get("burst_ratio"), s.get("other_load_max")])
+                         _ratios(verdict, "burst"), s.get("other_load_max")])
     print(render_table(["model", "cache", "path", "served", "preemptions", "done in s",
                         "median TTFT ms", "max running", "kvgate blocks/request",
                         "time / vLLM", "other load (max)"], rows))
