@@ -350,9 +350,13 @@ async def _burst(gated: Sidecar) -> list[Any]:
     for index in range(14):
         stream = index % 3 != 0
         bodies.append({"model": "tiny-llama", "prompt": PROMPT, "ignore_eos": True,
-                       "max_tokens": 200 if stream else 60, "stream": stream,
+                       # Streams long enough that vLLM is still generating when a fault
+                       # cuts them, however busy the machine.
+                       "max_tokens": 400 if stream else 60, "stream": stream,
                        "temperature": 0})
-    bodies.append({"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 5000})
+    # Never fits: 4 sequences of up to 1,024 tokens need 128 blocks of the 59 kvgate gives.
+    bodies.append({"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 5000, "n": 4,
+                   "temperature": 1.0})
     bodies.append({"model": "tiny-llama", "prompt": PROMPT, "max_tokens": -1})
     timeout = aiohttp.ClientTimeout(total=120)
     async with aiohttp.ClientSession(timeout=timeout) as session:

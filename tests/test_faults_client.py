@@ -70,7 +70,8 @@ async def test_client_leaves_while_queued(
         first = asyncio.create_task(post_stream(session, url, completion(900),
                                                 on_event=on_event))
         await asyncio.wait_for(streaming.wait(), 60)
-        second = asyncio.create_task(post_stream(session, url, completion(900)))
+        second = asyncio.create_task(post_stream(session, url, completion(
+            900, prompt="another " + PROMPT)))  # no prompt block in common with the first
         await until(lambda: gated.state()["admission"]["queue"]["length"] == 1, 10, "queued")
         second.cancel()  # the client goes away while queued
         with pytest.raises(asyncio.CancelledError):

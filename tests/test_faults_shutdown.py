@@ -23,8 +23,9 @@ pytestmark = [pytest.mark.vllm]
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 9  # ~100 tokens
 
 
-def completion(max_tokens: int) -> dict[str, Any]:
-    return {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": max_tokens,
+def completion(max_tokens: int, tag: str = "") -> dict[str, Any]:
+    """A streamed completion; requests with other tags share no prompt block."""
+    return {"model": "tiny-llama", "prompt": f"{tag} {PROMPT}", "max_tokens": max_tokens,
             "stream": True, "ignore_eos": True, "temperature": 0,
             "stream_options": {"include_usage": True}}
 
@@ -47,11 +48,11 @@ async def test_sigterm_lets_streams_finish_and_refuses_new_work(
                 return on_event
 
             # Three streams of 19 blocks run (57 of the 59 kvgate admits); one of 6 waits.
-            running = [asyncio.create_task(post_stream(session, url, completion(500),
+            running = [asyncio.create_task(post_stream(session, url, completion(500, str(i)),
                                                        on_event=counter(i)))
                        for i in range(3)]
             await until(lambda: min(counts) >= 3, 60, "streams started")
-            queued = asyncio.create_task(post_stream(session, url, completion(100)))
+            queued = asyncio.create_task(post_stream(session, url, completion(100, "q")))
             await until(lambda: sidecar.state()["admission"]["queue"]["length"] == 1, 10,
                         "one queued")
             signalled = time.monotonic()

@@ -220,11 +220,13 @@ async def test_vllm_killed_mid_stream_and_back_with_other_capacity_then_other_mo
                     return on_event
 
                 url = gated.url + "/v1/completions"
-                running = [asyncio.create_task(post_stream(session, url, completion(900),
-                                                           on_event=counter(i)))
-                           for i in range(3)]
+                # Prompts of their own: a common prefix would be held once.
+                running = [asyncio.create_task(post_stream(
+                    session, url, completion(900, prompt=f"{i} {PROMPT}"),
+                    on_event=counter(i))) for i in range(3)]
                 await asyncio.wait_for(first_tokens.wait(), 60)
-                queued = asyncio.create_task(post_stream(session, url, completion(900)))
+                queued = asyncio.create_task(post_stream(
+                    session, url, completion(900, prompt=f"3 {PROMPT}")))
                 await until(lambda: gated.state()["admission"]["queue"]["length"] == 1, 10,
                             "the fourth request queued")
                 killed_at = time.monotonic()
@@ -278,9 +280,13 @@ async def test_vllm_killed_mid_stream_and_back_with_other_capacity_then_other_mo
                 assert gated.metric("kvgate_info", 'model="tiny-qwen3"') == 1
                 served = await post_stream(session, url, completion(16, model="tiny-qwen3"))
                 assert served.status == 200 and served.done, served
-                too_long = await post_stream(session, url, completion(950, model="tiny-qwen3"))
+                # Its context is 1,000 tokens now: 4 sequences of up to 1,000 tokens
+                # need 4 x 32 blocks, more than kvgate ever gives one request (59).
+                too_long = await post_stream(session, url, completion(
+                    950, model="tiny-qwen3", n=4, temperature=1.0))
                 assert too_long.status == 400
                 assert too_long.body["error"]["code"] == "never_fits"
+                assert too_long.body["kvgate"]["max_model_len"] == 1000
                 settled(gated)
             assert gated.proc is not None and gated.proc.pid == pid
             assert gated.proc.poll() is None, "the same kvgate process served throughout"

@@ -40,24 +40,25 @@ def test_block_keys_chain_full_blocks_and_a_salt_separates_them() -> None:
     assert block_keys(list(range(BLOCK - 1)), BLOCK) == ()
 
 
-def test_a_second_request_shares_the_prefix_only_once_the_first_has_filled_it() -> None:
+def test_requests_with_a_common_prefix_hold_one_copy_of_it() -> None:
     ctl = controller(num_blocks=256)
     peak = cdiv(len(prompt(1)) + 64 - 1, BLOCK)  # 24 blocks
     first = admit(ctl, request(ctl, prompt(1)))
     assert first.cost.kv_blocks == peak and first.cost.shared_blocks == 0
-    # The first has not been scheduled yet: vLLM would give the second its own copy.
+    # Not prefilled yet: vLLM schedules the first before the second (first come, first
+    # served: a waiting request gets tokens only once the prompts ahead of it are all
+    # scheduled) and the second reuses the blocks the first registers.
     second = admit(ctl, request(ctl, prompt(2)))
-    assert second.cost.kv_blocks == peak and second.plan.private == 20
-    assert ctl.ledger.reserved_blocks == 2 * peak
-    first.first_token()  # prefilled: its 20 prefix blocks are on the server now
+    assert second.cost.shared_blocks == 20 and second.cost.kv_blocks == peak - 20
+    assert second.cost.cached_tokens == 20 * BLOCK and second.plan.private == 0
+    first.first_token()
     third = admit(ctl, request(ctl, prompt(3)))
-    assert third.cost.shared_blocks == 20 and third.cost.kv_blocks == peak - 20
-    assert third.cost.cached_tokens == 20 * BLOCK
-    assert ctl.ledger.reserved_blocks == 3 * peak - 20
+    assert third.cost.shared_blocks == 20
+    assert ctl.ledger.reserved_blocks == 3 * peak - 2 * 20
     # A shared block stays while any holder runs; the ledger returns to zero.
     first.finish(64)
-    assert ctl.ledger.holders(third.reservation.keys[0]) == 1
-    assert ctl.ledger.reserved_blocks == 2 * peak
+    assert ctl.ledger.holders(third.reservation.keys[0]) == 2
+    assert ctl.ledger.reserved_blocks == 3 * peak - 2 * 20 - (peak - 20)
     for ticket in (second, third):
         ticket.finish(64)
     assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.shared_keys == 0
@@ -112,16 +113,21 @@ def test_a_queued_request_is_charged_what_it_shares_when_it_is_dispatched() -> N
     ctl = controller(num_blocks=64)  # 63 usable x 0.95 = 59 blocks
 
     async def scenario() -> None:
-        first = await ctl.admit(request(ctl, prompt(1), output=400))  # 48 blocks
+        unrelated = [70_000 + i for i in range(300)]
+        other = await ctl.admit(request(ctl, unrelated, output=277))  # 36 blocks
         waiting = asyncio.ensure_future(ctl.admit(request(ctl, prompt(2), output=40)))
         await asyncio.sleep(0)
-        assert not waiting.done() and len(ctl.queue) == 1  # 25 blocks do not fit in 11
-        first.first_token()  # the prefix is filled: the waiting one needs 5 more blocks
+        assert not waiting.done() and len(ctl.queue) == 1  # 25 blocks do not fit in 23
+        # A request of the same family arrives: a higher band takes the room, and
+        # holds the prefix the waiting one shares when it is dispatched.
+        holder = await ctl.admit(request(ctl, prompt(1), output=8, band=0))  # 23 blocks
+        assert ctl.ledger.reserved_blocks == 59
+        other.finish(277)
         ticket = await asyncio.wait_for(waiting, 1)
         assert ticket.cost.shared_blocks == 20 and ticket.cost.kv_blocks == 5
         assert ticket.cost.cached_tokens == 20 * BLOCK
-        first.finish(400)
-        ticket.finish(40)
+        for done in (holder, ticket):
+            done.finish(8)
         assert ctl.ledger.reserved_blocks == 0
 
     asyncio.run(scenario())
@@ -168,15 +174,15 @@ def test_events_replace_the_traffic_model_and_a_gap_forgets_them() -> None:
     assert ctl.prefix_source == "events"
     tokens = prompt(1)
     events.stored([f"h{i}" for i in range(20)], None, tokens[:20 * BLOCK], BLOCK)
-    holder = admit(ctl, request(ctl, prompt(1)))
-    # Stored on the server (scheduled) though no token came yet: really shared.
-    second = admit(ctl, request(ctl, prompt(2)))
-    assert second.cost.shared_blocks == 20
-    events.cleared()
-    third = admit(ctl, request(ctl, prompt(3)))
-    assert third.cost.shared_blocks == 0
-    for ticket in (holder, second, third):
-        ticket.finish(64)
+    # Cached on the server, held by no admitted request: not prefilled again, but the
+    # request takes the blocks out of the server's free pool, so it pays for them.
+    first = admit(ctl, request(ctl, prompt(2)))
+    assert first.cost.cached_tokens == 20 * BLOCK and first.cost.shared_blocks == 0
+    first.finish(64)
+    events.cleared()  # the server dropped its cache (or events were missed)
+    second = admit(ctl, request(ctl, prompt(3)))
+    assert second.cost.cached_tokens == 0
+    second.finish(64)
     ctl.sharing.use_events(None)
     assert ctl.prefix_source == "traffic"
 

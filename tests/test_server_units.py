@@ -220,3 +220,22 @@ def test_serve_help_documents_flags_and_env() -> None:
     for text in ("--upstream", "--model-config", "KVGATE_MODEL_CONFIG", "--mode", "--gpu",
                  "--admin-port", "--drain-timeout-s", "/readyz"):
         assert text in proc.stdout
+
+
+def test_a_server_that_computed_nothing_since_the_last_scrape_is_idle() -> None:
+    from sidecar.server.services import server_idle
+    from sidecar.upstream import UpstreamView
+    from sidecar.upstream.server_metrics import ServerMetrics
+
+    def metrics(prompt: float | None, generated: float | None) -> ServerMetrics:
+        # vLLM's gauges keep its last step's values while it runs no step.
+        return ServerMetrics(kv_usage_ratio=0.8, running=3, prompt_tokens_total=prompt,
+                             generation_tokens_total=generated)
+
+    busy = UpstreamView(up=True, metrics=metrics(100, 50), previous_metrics=metrics(100, 40))
+    idle = UpstreamView(up=True, metrics=metrics(100, 50), previous_metrics=metrics(100, 50))
+    unknown = UpstreamView(up=True, metrics=metrics(None, None),
+                           previous_metrics=metrics(None, None))
+    first = UpstreamView(up=True, metrics=metrics(100, 50))
+    assert server_idle(idle)
+    assert not server_idle(busy) and not server_idle(unknown) and not server_idle(first)

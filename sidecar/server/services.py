@@ -85,6 +85,18 @@ def resolve_gpu(settings: ServeSettings) -> Gpu | None:
     return None
 
 
+def server_idle(view: UpstreamView) -> bool:
+    """True when the server computed no token between the last two scrapes: it ran no
+    engine step, so the gauges it updates per step (KV use, running, waiting) are
+    stale (they keep the values of its last step)."""
+    now, before = view.metrics, view.previous_metrics
+    if now is None or before is None:
+        return False
+    pairs = ((now.prompt_tokens_total, before.prompt_tokens_total),
+             (now.generation_tokens_total, before.generation_tokens_total))
+    return all(a is not None and a == b for a, b in pairs)
+
+
 @dataclass(frozen=True)
 class LearnedServer:
     """What a model instance depends on; a change means rebuilding it."""
@@ -388,6 +400,11 @@ class Services:
         fresh = view.metrics_age_s(self.clock()) <= self.settings.metrics_stale_s
         metrics = view.metrics if fresh else None
         num_blocks = self.learned.num_blocks if self.learned else None
+        if metrics is not None and self._idle(view):
+            # No engine step since the last scrape: vLLM's gauges still hold the last
+            # step's values, while its requests are done and their blocks free.
+            return ServerState(available=view.up, num_blocks=num_blocks, used_blocks=0,
+                               running=0, waiting=0)
         return ServerState(
             available=view.up,
             num_blocks=num_blocks,
@@ -395,6 +412,11 @@ class Services:
             running=metrics.running if metrics else None,
             waiting=metrics.waiting if metrics else None,
         )
+
+    def _idle(self, view: UpstreamView) -> bool:
+        """The server computed nothing since the last scrape and nothing kvgate sent it
+        is running (a long step of kvgate's own requests keeps the observed use)."""
+        return server_idle(view) and (self.controller is None or self.controller.inflight == 0)
 
     def refresh(self) -> None:
         """Re-evaluate staleness between scrapes (called before decisions that matter)."""
@@ -484,7 +506,8 @@ class Services:
             inflight_requests=controller.inflight,
             capacity_blocks=controller.capacity_blocks,
             reserved_blocks=controller.ledger.reserved_blocks,
-            used_blocks=metrics.used_blocks if metrics else None,
+            used_blocks=(0 if view is not None and self._idle(view) else metrics.used_blocks)
+            if metrics else None,
             forecast_peak_ratio=forecast.peak_ratio,
             forecast_exhaustion_s=forecast.exhaustion_s,
             recommended_max_concurrency=self.recommended_concurrency(),
