@@ -12,15 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from sidecar.cli.args import Parser, fraction, positive_float, positive_int
-from sidecar.cli.model_source import read_model
-from sidecar.cli.plan import _gpu_from_args, load_efficiency
+from sidecar.cli.args import Parser, fraction
+from sidecar.cli.served_args import add_served_model_args, gpu_from_args, served_model_from_args
 from sidecar.cli.table import render
-from sidecar.model import Deployment, ModelError, ServedModel, gpu_names
-from sidecar.model.quantization import DTYPE_CHOICES
-from sidecar.model.served import KV_CACHE_DTYPES
+from sidecar.model import ModelError, ServedModel, gpu_names
 from sidecar.model.simulator import EngineConfig, KvgateGate, Trace, parse_trace, simulate
-from sidecar.model.units import GIB
 
 DESCRIPTION = """\
 Replay a trace of requests against a model served by vLLM, in kvgate's engine
@@ -63,43 +59,10 @@ and field). Known GPUs: """
 def build_parser(prog: str = "kvgate simulate") -> Parser:
     parser = Parser(prog=prog, description=DESCRIPTION, epilog=EPILOG + ", ".join(gpu_names()),
                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    model = parser.add_argument_group("model")
-    model.add_argument("--model", required=True, metavar="M",
-                       help="a config.json, a directory holding one, a Hugging Face id or a "
-                            "preset name, as for `kvgate plan`")
-    model.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
-                       help="weight precision (default: auto)")
-    model.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                       help="KV cache element type (default: auto)")
-    gpu = parser.add_argument_group("GPU (needed: it prices every step)")
-    gpu.add_argument("--gpu", metavar="NAME", help="GPU from the catalogue, e.g. H100")
-    gpu.add_argument("--gpu-memory-gib", type=positive_float, metavar="X",
-                     help="runtime-visible memory per GPU in GiB")
-    gpu.add_argument("--gpu-bandwidth-gbps", type=positive_float, metavar="Y",
-                     help="memory bandwidth in GB/s")
-    gpu.add_argument("--gpu-tflops", type=positive_float, metavar="Z",
-                     help="dense bf16 TFLOP/s")
-    gpu.add_argument("--tp", type=positive_int, default=1, metavar="N",
-                     help="tensor-parallel size (default: 1)")
-    vllm = parser.add_argument_group("vLLM settings")
-    vllm.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
-                      help="share of GPU memory vLLM may use (default: 0.9)")
-    vllm.add_argument("--max-model-len", type=positive_int, metavar="N",
-                      help="context length per request (default: the model's)")
-    vllm.add_argument("--block-size", type=positive_int, default=16, metavar="N",
-                      help="tokens per KV block (default: 16)")
-    vllm.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",
-                      help="tokens per engine step (default: vLLM's for the GPU)")
-    vllm.add_argument("--max-num-seqs", type=positive_int, metavar="N",
-                      help="vLLM's cap on running sequences (default: vLLM's)")
-    vllm.add_argument("--num-gpu-blocks-override", type=positive_int, metavar="N",
-                      help="a forced number of KV blocks")
-    vllm.add_argument("--available-kv-gib", type=positive_float, metavar="X",
-                      help="the KV budget per GPU vLLM logged ('Available KV cache memory')")
+    add_served_model_args(parser)
+    vllm = next(group for group in parser._action_groups if group.title == "vLLM settings")
     vllm.add_argument("--policy", choices=("fcfs", "priority"), default="fcfs",
                       help="vLLM's --scheduling-policy (default: fcfs)")
-    vllm.add_argument("--no-prefix-cache", action="store_true",
-                      help="the server runs without prefix caching")
     sim = parser.add_argument_group("simulation")
     sim.add_argument("--trace", type=Path, required=True, metavar="FILE",
                      help="the requests: JSON lines (see above)")
@@ -113,22 +76,10 @@ def build_parser(prog: str = "kvgate simulate") -> Parser:
 
 
 def _served(args: argparse.Namespace) -> ServedModel:
-    arch = read_model(args.model)
-    gpu = _gpu_from_args(args)
-    if gpu is None:
+    if gpu_from_args(args) is None:
         raise ModelError("the simulator prices every step by roofline: give --gpu "
                          "(or --gpu-memory-gib, --gpu-bandwidth-gbps and --gpu-tflops)")
-    deployment = Deployment(
-        tp=args.tp, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-        gpu_memory_utilization=args.gpu_memory_utilization, max_model_len=args.max_model_len,
-        block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs, num_gpu_blocks_override=args.num_gpu_blocks_override,
-        available_kv_bytes=round(args.available_kv_gib * GIB) if args.available_kv_gib else None,
-        enable_prefix_caching=not args.no_prefix_cache,
-    )
-    served = ServedModel(arch, deployment, gpu)
-    efficiency = load_efficiency(args.calibration)
-    return served if efficiency is None else served.with_efficiency(efficiency)
+    return served_model_from_args(args)
 
 
 def _read_trace(path: Path) -> Trace:

@@ -1,0 +1,155 @@
+"""The flags that describe a served model, shared by `kvgate plan` and
+`kvgate simulate`: the model, the GPU and how vLLM was started, and the
+`ServedModel` they make."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from sidecar.cli.args import Parser, fraction, non_negative_int, positive_float, positive_int
+from sidecar.cli.model_source import read_model
+from sidecar.model import (
+    Deployment,
+    Efficiency,
+    Gpu,
+    ModelError,
+    ServedModel,
+    custom_gpu,
+    find_gpu,
+)
+from sidecar.model.gpu import with_overrides
+from sidecar.model.quantization import DTYPE_CHOICES
+from sidecar.model.served import KV_CACHE_DTYPES, MAMBA_CACHE_MODES, STATE_DTYPES
+from sidecar.model.units import GIB
+
+
+def add_served_model_args(parser: Parser) -> None:
+    """The model, GPU and vLLM groups of flags."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", required=True, metavar="M",
+                       help="a config.json, a directory holding one, a Hugging Face id "
+                            "(read from the local Hugging Face cache, a bundled preset or "
+                            "the Hub, e.g. meta-llama/Llama-3.1-70B-Instruct) or a preset "
+                            "name (`kvgate presets` lists them)")
+    model.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto",
+                       help="weight precision: auto reads torch_dtype and quantization_config "
+                            "(default: auto)")
+    model.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                       help="KV cache element type: auto follows the model dtype (default: auto)")
+
+    gpu = parser.add_argument_group("GPU (a catalogue name, or custom figures)")
+    gpu.add_argument("--gpu", metavar="NAME", help="GPU from the catalogue, e.g. H100, A100-80GB")
+    gpu.add_argument("--gpu-memory-gib", type=positive_float, metavar="X",
+                     help="runtime-visible memory per GPU in GiB (overrides the catalogue)")
+    gpu.add_argument("--gpu-bandwidth-gbps", type=positive_float, metavar="Y",
+                     help="memory bandwidth in GB/s (overrides the catalogue)")
+    gpu.add_argument("--gpu-tflops", type=positive_float, metavar="Z",
+                     help="dense bf16 TFLOP/s (overrides the catalogue)")
+    gpu.add_argument("--tp", type=positive_int, default=1, metavar="N",
+                     help="tensor-parallel size: GPUs per replica (default: 1)")
+
+    vllm = parser.add_argument_group("vLLM settings")
+    vllm.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
+                      help="share of GPU memory vLLM may use (default: 0.9)")
+    vllm.add_argument("--max-model-len", type=positive_int, metavar="N",
+                      help="context length per request (default: the model's "
+                           "max_position_embeddings)")
+    vllm.add_argument("--block-size", type=positive_int, metavar="N",
+                      help="tokens per KV block (default: vLLM's choice for the model: 16, "
+                           "64 with a DSA indexer, raised for Mamba hybrids; vLLM on CPU "
+                           "uses 128)")
+    vllm.add_argument("--mamba-cache-mode", choices=MAMBA_CACHE_MODES, metavar="MODE",
+                      help="Mamba / gated-delta-net state caching: align (2 state blocks "
+                           "per request) or none (1) (default: align with prefix caching, "
+                           "else none)")
+    vllm.add_argument("--mamba-cache-dtype", choices=STATE_DTYPES, default="auto",
+                      help="Mamba conv state dtype (default: auto, the model dtype)")
+    vllm.add_argument("--mamba-ssm-cache-dtype", choices=STATE_DTYPES, default="auto",
+                      help="Mamba temporal state dtype (default: auto, the family's "
+                           "default: float32 for Nemotron-H, the config's mamba_ssm_dtype "
+                           "for Qwen3.5, else the conv state dtype)")
+    vllm.add_argument("--num-speculative-tokens", type=non_negative_int, default=0,
+                      metavar="N", help="speculative tokens per step (MTP / EAGLE): more "
+                      "state blocks per request on Mamba hybrids (default: 0)")
+    vllm.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N",
+                      help="engines behind one server, each with its own KV pool; the "
+                           "capacity figures are per engine (default: 1)")
+    vllm.add_argument("--max-num-batched-tokens", type=positive_int, metavar="N",
+                      help="tokens per engine step (default: vLLM's default for the GPU)")
+    vllm.add_argument("--max-num-seqs", type=positive_int, metavar="N",
+                      help="vLLM's cap on running sequences (default: vLLM's default)")
+    vllm.add_argument("--num-gpu-blocks-override", type=positive_int, metavar="N",
+                      help="a forced number of KV blocks, as vLLM's flag of that name")
+    vllm.add_argument("--available-kv-gib", type=positive_float, metavar="X",
+                      help="the KV budget per GPU vLLM logged ('Available KV cache memory'); "
+                           "capacity then follows exactly and no GPU is needed")
+    vllm.add_argument("--no-prefix-cache", "--no-enable-prefix-caching",
+                      dest="no_prefix_cache", action="store_true",
+                      help="the server runs without prefix caching (vLLM's "
+                      "--no-enable-prefix-caching): nothing is shared or found cached")
+
+
+def gpu_from_args(args: argparse.Namespace) -> Gpu | None:
+    if args.gpu:
+        return with_overrides(
+            find_gpu(args.gpu), args.gpu_memory_gib, args.gpu_bandwidth_gbps, args.gpu_tflops
+        )
+    figures = (args.gpu_memory_gib, args.gpu_bandwidth_gbps, args.gpu_tflops)
+    if all(value is not None for value in figures):
+        return custom_gpu(*figures)
+    if any(value is not None for value in figures):
+        raise ModelError(
+            "a custom GPU needs all of --gpu-memory-gib, --gpu-bandwidth-gbps and --gpu-tflops"
+        )
+    return None
+
+
+def load_efficiency(path: Path | None) -> Efficiency | None:
+    if path is None:
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ModelError(f"--calibration {path}: cannot read ({exc.strerror})") from exc
+    except json.JSONDecodeError as exc:
+        raise ModelError(f"--calibration {path}: not valid JSON ({exc.msg})") from exc
+    section = data.get("efficiency") if isinstance(data, dict) else None
+    if not isinstance(section, dict):
+        raise ModelError(f"--calibration {path}: no 'efficiency' object")
+    try:
+        return Efficiency.from_mapping(section)
+    except ValueError as exc:
+        raise ModelError(f"--calibration {path}: {exc}") from exc
+
+
+def deployment_from_args(args: argparse.Namespace) -> Deployment:
+    return Deployment(
+        tp=args.tp,
+        dtype=args.dtype,
+        kv_cache_dtype=args.kv_cache_dtype,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        num_gpu_blocks_override=args.num_gpu_blocks_override,
+        available_kv_bytes=round(args.available_kv_gib * GIB) if args.available_kv_gib else None,
+        enable_prefix_caching=not args.no_prefix_cache,
+        mamba_cache_mode=args.mamba_cache_mode,
+        mamba_cache_dtype=args.mamba_cache_dtype,
+        mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
+        num_speculative_tokens=args.num_speculative_tokens,
+        data_parallel_size=args.data_parallel_size,
+    )
+
+
+def served_model_from_args(args: argparse.Namespace,
+                           note: Callable[[str], None] | None = None) -> ServedModel:
+    """The served model the flags describe, calibrated when --calibration is given."""
+    arch = read_model(args.model, note) if note is not None else read_model(args.model)
+    served = ServedModel(arch, deployment_from_args(args), gpu_from_args(args))
+    efficiency = load_efficiency(args.calibration)
+    return served if efficiency is None else served.with_efficiency(efficiency)
