@@ -354,6 +354,13 @@ def benchmark_main(script: str, parse_args: Callable[[], Any],
     return 0
 
 
+def provenance_line(report: Mapping[str, Any]) -> str:
+    """The run record as one line: command, UTC date, machine, kvgate revision."""
+    machine = report["machine"]
+    return (f"{report['command']}  ({report['date']}, {machine['cpu_model']}, "
+            f"{machine['cpu_cores']} cores, revision {report['kvgate_revision'].get('commit')})")
+
+
 def write_json(path: Path, data: Mapping[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")

@@ -65,6 +65,7 @@ from bench.common import (  # noqa: E402
     free_port,
     http_get,
     provenance,
+    provenance_line,
     render_table,
     rounded,
     system_cpu_seconds,
@@ -604,9 +605,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_report(report: dict[str, Any]) -> None:
-    machine = report["machine"]
-    print(f"\n{report['command']}  ({report['date']}, {machine['cpu_model']}, "
-          f"{machine['cpu_cores']} cores, revision {report['kvgate_revision'].get('commit')})")
+    print("\n" + provenance_line(report))
     workload = report["workload"]
     print(f"{report['server']['engine']}, {report['server']['model']}, "
           f"{report['server']['num_gpu_blocks']} blocks of {report['server']['block_size']}, "

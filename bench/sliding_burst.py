@@ -43,6 +43,7 @@ from bench.common import (  # noqa: E402
     benchmark_main,
     free_port,
     provenance,
+    provenance_line,
     render_table,
     rounded,
     temporary_directory,
@@ -171,9 +172,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_report(report: dict[str, Any]) -> None:
-    machine = report["machine"]
-    print(f"\n{report['command']}  ({report['date']}, {machine['cpu_model']}, "
-          f"{machine['cpu_cores']} cores, revision {report['kvgate_revision'].get('commit')})")
+    print("\n" + provenance_line(report))
     workload = report["workload"]
     print(f"{report['engine']}; {workload['requests']} requests of {workload['prompt_tokens']} "
           f"prompt tokens + {workload['output_tokens']} output tokens, sent at once\n")

@@ -9,9 +9,9 @@ Shared prompt blocks: a reservation may also hold references to prompt blocks
 (`keys`, see `prefix`), each worth `blocks_per_key` blocks (one per KV cache group
 that shares prompt blocks). A block counts once, however many reservations hold
 it, and is freed when its last holder releases. `reserved_blocks` is the sum of the
-reservations' own blocks plus the distinct shared blocks held. A holder that has
-filled its blocks on the server (its prefill was scheduled) marks them `filled`:
-from then on later requests really share them.
+reservations' own blocks plus the distinct shared blocks held. A reservation whose
+request has been prefilled is marked `filled` (its blocks are then in the server's
+prefix cache, which `prefix.TrafficCache` models).
 
 Headroom reconciles what kvgate reserved with what the server reports it really
 uses: the effective use is the larger of the reservations and the observed use
@@ -52,7 +52,6 @@ class Reservation:
         if self._released or self._filled:
             return False
         self._filled = True
-        self._ledger._fill(self)
         return True
 
     @property
@@ -109,7 +108,6 @@ class Ledger:
         self.observed_growth_blocks = 0
         self.blocks_per_key = 1
         self._holders: dict[bytes, int] = {}
-        self._filled: dict[bytes, int] = {}
 
     # ---- reservations --------------------------------------------------------------
 
@@ -141,18 +139,6 @@ class Ledger:
                 self._holders[key] = left
             else:
                 del self._holders[key]
-            if reservation.filled:
-                filled = self._filled[key] - 1
-                if filled:
-                    self._filled[key] = filled
-                else:
-                    del self._filled[key]
-
-    def _fill(self, reservation: Reservation) -> None:
-        if self._held.get(reservation.key) is not reservation:
-            raise LedgerError(f"{reservation!r} is not held by this ledger")
-        for key in reservation.keys:
-            self._filled[key] = self._filled.get(key, 0) + 1
 
     def _adjust(self, reservation: Reservation, blocks: int) -> None:
         if self._held.get(reservation.key) is not reservation:
@@ -180,10 +166,6 @@ class Ledger:
     def holders(self, key: bytes) -> int:
         """Admitted requests holding this prompt block."""
         return self._holders.get(key, 0)
-
-    def filled(self, key: bytes) -> bool:
-        """True when a holder of this block has filled it on the server."""
-        return key in self._filled
 
     @property
     def held_prompt_blocks(self) -> int:
