@@ -5,14 +5,22 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections import Counter
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from sidecar.admission import (
     AdmissionRequest,
+    Decision,
     Outcome,
     QueueLimits,
     Rejected,
@@ -40,12 +48,14 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.loop = FakeClockLoop(self.clock)
         self.ctl = controller(
             num_blocks=41, clock=self.clock, starvation_bound_s=BOUND_S,
-            limits=QueueLimits(max_length=12, max_wait_s=60.0),
+            limits=QueueLimits(max_length=4, max_wait_s=40.0),
         )
         self.pending: list[Pending] = []
         self.running: list[tuple[Ticket, Pending]] = []
         self.admitted: list[tuple[Ticket, Pending]] = []
         self.seq = itertools.count()
+        # What the clients got (a ticket, a rejection, their own cancellation).
+        self.client_outcomes: Counter[Outcome] = Counter()
         self.allowed_excess = 0
         self.starvation_violations: list[str] = []
         original_pop = self.ctl.queue.pop
@@ -74,12 +84,17 @@ class AdmissionMachine(RuleBasedStateMachine):
         for item in self.pending:
             if not item.task.done():
                 still.append(item)
-            elif not item.task.cancelled() and item.task.exception() is None:
+            elif item.task.cancelled():
+                self.client_outcomes[Outcome.CANCELLED] += 1
+            elif item.task.exception() is None:
                 ticket = item.task.result()
                 self.running.append((ticket, item))
                 self.admitted.append((ticket, item))
-            elif not item.task.cancelled():
-                assert isinstance(item.task.exception(), Rejected)
+                self.client_outcomes[Outcome.ADMITTED] += 1
+            else:
+                error = item.task.exception()
+                assert isinstance(error, Rejected)
+                self.client_outcomes[error.decision.outcome] += 1
         self.pending = still
 
     @rule(prompt=st.integers(1, 500), output=st.none() | st.integers(1, 500),
@@ -91,6 +106,15 @@ class AdmissionMachine(RuleBasedStateMachine):
         task = self.loop.create_task(self.ctl.admit(request))
         self.pending.append(Pending(task, request, next(self.seq)))
         self.settle()
+
+    @rule(count=st.integers(2, 6), prompt=st.integers(20, 200), output=st.integers(20, 200),
+          band=st.integers(0, 2), tenant=st.sampled_from("abc"),
+          slo=st.none() | st.floats(0.5, 100))
+    def arrive_together(self, count: int, prompt: int, output: int, band: int, tenant: str,
+                        slo: float | None) -> None:
+        """Several requests that each fit, at once: the queue fills."""
+        for _ in range(count):
+            self.arrive(prompt, output, band, tenant, slo)
 
     @precondition(lambda self: self.running)
     @rule(index=st.integers(0, 100), completed=st.booleans(), tokens=st.integers(0, 600))
@@ -226,9 +250,48 @@ QuantileMachine.TestCase.settings = settings(
 TestQuantileProperties = QuantileMachine.TestCase
 
 
+class OutcomeLog:
+    """The controller's listener: the decisions it reports (what the metrics count)."""
+
+    def __init__(self) -> None:
+        self.reported: Counter[Outcome] = Counter()
+        self.shadow: Counter[Outcome] = Counter()
+
+    def decided(self, decision: Decision, *, shadow: bool) -> None:
+        (self.shadow if shadow else self.reported)[decision.outcome] += 1
+
+    def queue_wait(self, seconds: float) -> None:
+        return None
+
+
 def test_outcomes_seen_cover_the_decision_kinds() -> None:
-    """Sanity: the machine's world produces queueing, rejections and cancellations."""
-    assert {Outcome.QUEUE_FULL, Outcome.DEADLINE, Outcome.QUEUE_TIMEOUT} <= set(Outcome)
+    """The machine's world really produces every decision its clients can meet
+    (admission, never fits, queue full, deadline, queue timeout, cancellation), and the
+    controller reports each one, once per request, as the client met it."""
+    log = OutcomeLog()
+    seen: Counter[Outcome] = Counter()
+
+    class Watched(AdmissionMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ctl.listener = log
+
+        def teardown(self) -> None:
+            try:
+                super().teardown()
+            finally:
+                seen.update(self.client_outcomes)
+
+    run_state_machine_as_test(Watched, settings=settings(
+        max_examples=60, stateful_step_count=40, deadline=None, derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow]))
+    produced = {Outcome.ADMITTED, Outcome.NEVER_FITS, Outcome.QUEUE_FULL, Outcome.DEADLINE,
+                Outcome.QUEUE_TIMEOUT, Outcome.CANCELLED}
+    missing = produced - {outcome for outcome, count in seen.items() if count}
+    assert not missing, f"no client met {sorted(missing)}; met {dict(seen)}"
+    # Every outcome a client met was reported once, and nothing else was.
+    assert log.reported == seen, (dict(log.reported), dict(seen))
+    assert not log.shadow
 
 
 def family_keys(family: int, blocks: int, unique: int) -> tuple[bytes, ...]:
