@@ -32,8 +32,57 @@ def test_json_contract_with_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert result["kv_bytes_per_token"] == 147_456
     assert result["prefill_bound"] == "compute" and result["decode_bound"] == "memory"
     assert result["fits"] is True
-    e2e, ttft, tpot = (float(result[k]) for k in ("e2e_s", "ttft_s", "tpot_s"))  # type: ignore[arg-type]
-    assert e2e == pytest.approx(ttft + 100 * tpot)
+    assert result["latency_source"] == "simulator"
+    # Every simulated request of a fixed shape takes its TTFT + 99 x its TPOT: the mean
+    # E2E lies between the p50s' and the p90s' sums, give or take the spread.
+    e2e, ttft, tpot, ttft90, tpot90 = (float(result[k]) for k in (  # type: ignore[arg-type]
+        "e2e_s", "ttft_s", "tpot_s", "ttft_p90_s", "tpot_p90_s"))
+    assert 0.9 * (ttft + 99 * tpot) <= e2e <= ttft90 + 99 * tpot90
+    closed = result["closed_form"]
+    assert isinstance(closed, dict)
+    assert closed["e2e_s"] == pytest.approx(closed["ttft_s"] + 100 * closed["tpot_s"])
+
+
+def test_latency_under_load_comes_from_the_simulator(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # 64 clients with long prompts: prefills queue behind each other and share the
+    # token budget with decodes, which one prefill beside 63 decodes does not see.
+    args = ("--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--prompt-tokens", "6000",
+            "--output-tokens", "200")
+    alone = plan_json(capsys, *args)
+    loaded = plan_json(capsys, *args, "--concurrency", "64")
+    closed = loaded["closed_form"]
+    assert isinstance(closed, dict)
+    assert float(loaded["ttft_p90_s"]) > 1.5 * float(closed["ttft_s"])  # type: ignore[arg-type]
+    assert float(loaded["ttft_s"]) > float(alone["ttft_s"])  # type: ignore[arg-type]
+    # One client: the simulated request runs alone, as the closed form prices it.
+    assert float(alone["ttft_s"]) == pytest.approx(  # type: ignore[arg-type]
+        alone["closed_form"]["ttft_s"], rel=0.1)  # type: ignore[index]
+
+
+def test_max_num_seqs_is_the_largest_that_meets_the_targets(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from sidecar.cli.plan import plan_input
+    from sidecar.model.simulator_plan import PlanSimulator
+
+    args = ["--model", "Qwen/Qwen3-8B", "--gpu", "L40S", "--prompt-tokens", "2000",
+            "--output-tokens", "200", "--tpot-slo-ms", "60", "--ttft-slo-ms", "1500",
+            "--arrival-rate", "6"]
+    rec = plan_json(capsys, *args)["recommendation"]
+    assert isinstance(rec, dict)
+    seats = rec["max_num_seqs"]
+    assert rec["source"] == "simulator" and rec["limited_by"] in ("tpot-slo", "ttft-slo")
+    assert rec["tpot_p90_s_at_max"] <= 0.060 and rec["ttft_p90_s_at_max"] <= 1.5
+    simulator = PlanSimulator(plan_input(build_parser().parse_args(args)).served, 2000, 200)
+    assert simulator.closed_loop(seats + 1, seats + 1).meets(1.5, 0.060) == rec["limited_by"]
+    # Replicas: enough throughput for the rate, each replica's open loop within targets.
+    assert rec["replicas"] * rec["throughput_per_replica_per_s"] >= 6
+    per_replica = rec["per_replica_open_loop"]
+    assert per_replica["tpot_p90_s"] <= 0.060 and per_replica["ttft_p90_s"] <= 1.5
+    fewer = simulator.open_loop(6 / (rec["replicas"] - 1), seats) if rec["replicas"] > 1 \
+        else None
+    assert fewer is None or fewer.meets(1.5, 0.060) is not None or \
+        (rec["replicas"] - 1) * rec["throughput_per_replica_per_s"] < 6
 
 
 def test_capacity_from_a_logged_budget_needs_no_gpu(capsys: pytest.CaptureFixture[str]) -> None:
@@ -43,6 +92,7 @@ def test_capacity_from_a_logged_budget_needs_no_gpu(capsys: pytest.CaptureFixtur
     assert result["kv_capacity_tokens"] == 42_656
     assert result["max_concurrency"] == pytest.approx(1.30, abs=0.005)
     assert result["ttft_s"] is None and result["tpot_s"] is None
+    assert result["latency_source"] is None
     assert result["kv_bytes_per_sequence"] == 32_768 * 163_840
 
 
@@ -99,11 +149,11 @@ def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None
 
 def test_bad_calibration_file(tmp_path: Path) -> None:
     bad = tmp_path / "cal.json"
-    bad.write_text(json.dumps({"efficiency": {"compute": 3.0}}))
+    bad.write_text(json.dumps({"efficiency": {"compute": 0.0}}))
     proc = subprocess.run([sys.executable, "-m", "sidecar", "plan", "--model", "Qwen/Qwen3-8B",
                            "--gpu", "H100", "--calibration", str(bad)],
                           capture_output=True, text=True, timeout=60, check=False)
-    assert proc.returncode == 2 and "compute must be in (0, 1]" in proc.stderr
+    assert proc.returncode == 2 and "efficiency compute must be" in proc.stderr
 
 
 def test_calibration_changes_latency(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -263,6 +263,21 @@ def test_closed_loop_keeps_its_clients_busy() -> None:
     assert arrivals[4:] == pytest.approx(finishes[:8])
 
 
+def test_a_ramped_closed_loop_starts_its_clients_apart() -> None:
+    model = served()
+    burst = simulate(model, ClosedLoop(4, 12, Lengths(1000, 10)), exact(model))
+    ramped = simulate(model, ClosedLoop(4, 12, Lengths(1000, 10), ramp_s=0.4), exact(model))
+    arrivals = [r.request.arrival_s for r in ramped.records]
+    for start in (0.0, 0.1, 0.2, 0.3):
+        assert any(at == pytest.approx(start) for at in arrivals)
+    # Started together, the first prompts queue behind each other; started apart they
+    # do not, so the worst TTFT drops.
+    worst = [max(r.ttft_s or 0 for r in run.records) for run in (burst, ramped)]
+    assert worst[1] < worst[0]
+    with pytest.raises(ValueError, match="ramp"):
+        ClosedLoop(2, 2, Lengths(10, 10), ramp_s=-1)
+
+
 def test_ten_thousand_requests_run_quickly() -> None:
     import time
 

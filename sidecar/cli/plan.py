@@ -23,14 +23,17 @@ from sidecar.model import (
 )
 from sidecar.model.planning import DEFAULT_KV_MARGIN
 from sidecar.model.simulator import simulate_plan
+from sidecar.model.simulator_plan import PlanSimulator
 from sidecar.model.summary import PlanInput, compute_plan
 from sidecar.model.units import GIB
 
 DESCRIPTION = """\
 Plan a vLLM deployment from the model's config.json and the GPU's figures: weights per
 GPU, KV cache bytes per token and per sequence, the KV budget, the KV cache size and
-maximum concurrency exactly as vLLM logs them at start-up, TTFT/TPOT/E2E by roofline,
-and the recommended --max-num-seqs and replica count (Little's law).
+maximum concurrency exactly as vLLM logs them at start-up; TTFT/TPOT/E2E at the given
+concurrency, the recommended --max-num-seqs under the TTFT/TPOT targets and the replica
+count for an arrival rate, from the engine simulator (vLLM's scheduler step by step,
+each step priced by the roofline), with the one-request closed form beside them.
 """
 
 EPILOG = """\
@@ -65,13 +68,17 @@ def build_parser(prog: str = "kvgate plan") -> Parser:
     load.add_argument("--output-tokens", type=positive_int, default=256, metavar="O",
                       help="output tokens per request (default: 256)")
     load.add_argument("--concurrency", type=positive_int, default=1, metavar="C",
-                      help="requests running together for TTFT/TPOT/E2E (default: 1)")
+                      help="clients in a closed loop (each sends its next request when the "
+                      "previous one ends) for TTFT/TPOT/E2E (default: 1)")
     load.add_argument("--arrival-rate", type=positive_float, metavar="R",
-                      help="requests per second: sizes concurrency and replicas by Little's law")
+                      help="requests per second: sizes replicas (simulated throughput and "
+                      "targets) and requests in flight (Little's law)")
     load.add_argument("--ttft-slo-ms", type=positive_float, metavar="MS",
-                      help="TTFT target: caps the recommended concurrency")
+                      help="TTFT target for the p90: caps the recommended --max-num-seqs "
+                      "and raises replicas")
     load.add_argument("--tpot-slo-ms", type=positive_float, metavar="MS",
-                      help="TPOT target: caps the recommended concurrency")
+                      help="TPOT target for the p90: caps the recommended --max-num-seqs "
+                      "and raises replicas")
     load.add_argument("--kv-margin", type=fraction, default=DEFAULT_KV_MARGIN, metavar="F",
                       help=f"share of the KV cache to plan for (default: {DEFAULT_KV_MARGIN})")
     load.add_argument("--chain", metavar="IN:OUT,...",
@@ -184,15 +191,33 @@ def format_report(result: dict[str, Any]) -> str:
          "-" if result["max_concurrency"] is None else f"{result['max_concurrency']:.2f}x"],
         ["fits", "yes" if result["fits"] else "NO"],
     ]
-    latency_rows = [
-        ["TTFT", f"{_ms(result['ttft_s'])} ({result['prefill_bound'] or '-'}-bound)"],
-        ["TPOT", f"{_ms(result['tpot_s'])} ({result['decode_bound'] or '-'}-bound)"],
-        ["E2E = TTFT + output x TPOT", _ms(result["e2e_s"])],
-    ]
+    simulated = result.get("latency_source") == "simulator"
+    closed = result.get("closed_form") or {}
+    if simulated:
+        latency_rows = [
+            ["TTFT p50 / p90", f"{_ms(result['ttft_s'])} / {_ms(result['ttft_p90_s'])} "
+             f"({result['prefill_bound'] or '-'}-bound)"],
+            ["TPOT p50 / p90", f"{_ms(result['tpot_s'])} / {_ms(result['tpot_p90_s'])} "
+             f"({result['decode_bound'] or '-'}-bound)"],
+            ["E2E mean", _ms(result["e2e_s"])],
+            ["closed form (one prefill beside c - 1 decodes)",
+             f"TTFT {_ms(closed.get('ttft_s'))}, TPOT {_ms(closed.get('tpot_s'))}"],
+        ]
+    else:
+        latency_rows = [
+            ["TTFT", f"{_ms(result['ttft_s'])} ({result['prefill_bound'] or '-'}-bound)"],
+            ["TPOT", f"{_ms(result['tpot_s'])} ({result['decode_bound'] or '-'}-bound)"],
+            ["E2E = TTFT + output x TPOT", _ms(result["e2e_s"])],
+        ]
     rec = result["recommendation"]
     plan_rows = [
         ["recommended --max-num-seqs", f"{rec['max_num_seqs']} (limited by {rec['limited_by']})"],
     ]
+    if rec.get("ttft_p90_s_at_max") is not None:
+        plan_rows.append([f"p90 at {rec['max_num_seqs']} clients",
+                          f"TTFT {_ms(rec['ttft_p90_s_at_max'])}, "
+                          f"TPOT {_ms(rec['tpot_p90_s_at_max'])}, "
+                          f"{rec['throughput_per_replica_per_s']:,.2f} req/s per replica"])
     if rec["concurrency_needed"] is not None:
         plan_rows.append([f"in flight at {rec['arrival_rate']:g} req/s (Little's law)",
                           f"{rec['concurrency_needed']:,.1f}"])
@@ -219,7 +244,8 @@ def format_report(result: dict[str, Any]) -> str:
         _indent(render(memory_rows)),
         "",
         f"Latency: {result['prompt_tokens']:,} prompt + {result['output_tokens']:,} output "
-        f"tokens, {result['concurrency']} running",
+        f"tokens, {result['concurrency']} "
+        + ("clients (simulated closed loop)" if simulated else "running"),
         _indent(render(latency_rows)),
         "",
         "Plan",
@@ -236,6 +262,47 @@ def format_report(result: dict[str, Any]) -> str:
                       f"total {_ms(chain_result['total_s'])}",
                   _indent(render(rows, ["call", "input", "output", "cached", "TTFT", "decode"]))]
     return "\n".join(parts)
+
+
+def apply_simulator(result: dict[str, Any], inputs: PlanInput) -> None:
+    """Latency at --concurrency and the recommendation from the engine simulator
+    (`model.simulator_plan`), the closed form kept under `closed_form`. Without a GPU
+    or a KV cache size the closed form stays (`latency_source`)."""
+    served = inputs.served
+    result["latency_source"] = None if result["ttft_s"] is None else "closed-form"
+    result["closed_form"] = {key: result[key] for key in ("ttft_s", "tpot_s", "e2e_s")}
+    if served.roofline is None or served.capacity is None or not result["fits"]:
+        return
+    simulator = PlanSimulator(served, inputs.prompt_tokens, inputs.output_tokens,
+                              inputs.shared_prefix_tokens if inputs.prefix_cache else 0)
+    try:
+        point = simulator.closed_loop(inputs.concurrency)
+        rec = simulator.recommend(inputs.arrival_rate, inputs.ttft_slo_s, inputs.tpot_slo_s,
+                                  inputs.kv_margin)
+    except ModelError as exc:
+        _note(f"{exc}; latency from the closed form")
+        return
+    result.update({
+        "latency_source": "simulator",
+        "ttft_s": point.ttft_p50_s, "ttft_p90_s": point.ttft_p90_s,
+        "tpot_s": point.tpot_p50_s, "tpot_p90_s": point.tpot_p90_s,
+        "e2e_s": point.e2e_mean_s,
+        "throughput_requests_per_s": point.throughput_per_s,
+    })
+    result["recommendation"].update({
+        "source": "simulator",
+        "max_num_seqs": rec.max_num_seqs,
+        "limited_by": rec.limited_by,
+        "concurrency_needed": rec.concurrency_needed,
+        "replicas": rec.replicas,
+        "ttft_s_at_max": rec.at_max.ttft_p50_s,
+        "tpot_s_at_max": rec.at_max.tpot_p50_s,
+        "ttft_p90_s_at_max": rec.at_max.ttft_p90_s,
+        "tpot_p90_s_at_max": rec.at_max.tpot_p90_s,
+        "throughput_per_replica_per_s": rec.at_max.throughput_per_s,
+        "per_replica_open_loop": None if rec.per_replica is None else
+        rec.per_replica.as_dict(),
+    })
 
 
 def _simulated(inputs: PlanInput) -> dict[str, Any] | None:
@@ -314,6 +381,7 @@ def run(argv: Sequence[str], prog: str = "kvgate plan") -> int:
     try:
         inputs = plan_input(args)
         result = compute_plan(inputs)
+        apply_simulator(result, inputs)
         if args.simulate:
             result["simulated"] = _simulated(inputs)
     except ModelError as exc:

@@ -85,14 +85,18 @@ class Lengths:
 class ClosedLoop:
     """`clients` clients sending `requests` requests in all, each after the previous
     one of the same client finished and a think time (exponential with mean
-    `think_s` when `exponential_think`, else exactly `think_s`)."""
+    `think_s` when `exponential_think`, else exactly `think_s`). The clients' first
+    requests arrive together, or, with `ramp_s`, evenly spread over [0, ramp_s) (client
+    k at k x ramp_s / clients): a ramp of one request's E2E starts the loop as it runs
+    in its steady state, without a first wave of prefills queued behind each other."""
 
     def __init__(self, clients: int, requests: int, lengths: Lengths, think_s: float = 0.0,
-                 exponential_think: bool = False, seed: int = 0) -> None:
+                 exponential_think: bool = False, seed: int = 0, ramp_s: float = 0.0) -> None:
         if clients < 1 or requests < 1:
             raise ModelError("a closed loop needs >= 1 client and >= 1 request")
-        if think_s < 0:
-            raise ModelError("think time must not be negative")
+        if think_s < 0 or ramp_s < 0:
+            raise ModelError("think time and ramp must not be negative")
+        self.ramp_s = ramp_s
         self.clients = clients
         self.requests = requests
         self.lengths = lengths
@@ -104,7 +108,8 @@ class ClosedLoop:
     def initial(self) -> list[SimRequest]:
         first = min(self.clients, self.requests)
         self._sent = first
-        return [self.lengths.draw(self._rng, 0.0) for _ in range(first)]
+        return [self.lengths.draw(self._rng, k * self.ramp_s / self.clients)
+                for k in range(first)]
 
     def after(self, finished: SimRequest, finish_s: float) -> SimRequest | None:
         if self._sent >= self.requests:
