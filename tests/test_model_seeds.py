@@ -10,6 +10,7 @@ import pytest
 from sidecar.model import (
     ChainCall,
     Deployment,
+    DeploymentError,
     Efficiency,
     ServedModel,
     chain,
@@ -117,20 +118,25 @@ DSV4_LIKE = {
 
 def test_deepseek_v4_cross_token_compression() -> None:
     s = 1_048_576
-    model = ServedModel(parse_config(DSV4_LIKE, "dsv4"))
-    specs = model.kv_specs
-    # Seed 002 4.6.3: one c4a layer (128 + 262,144) x 1,024 + 262,144 x 256 B ~ 320.1 MiB
-    # (the seed prints 335,691,776: its first product is off by 16 KiB), one c128a layer
-    # (128 + 8,192) x 1,024 = 8,519,680 B.
-    assert specs[0].sequence_bytes(s) == (128 + 262_144) * 1024 + 262_144 * 256
-    assert specs[0].sequence_bytes(s) / MIB == pytest.approx(320.1, abs=0.05)
-    assert specs[-1].sequence_bytes(s) == 8_519_680
-    assert model.kv_bytes_per_sequence(s) / GIB == pytest.approx(9.62, abs=0.01)
-    # fp8 KV with an fp4 indexer: ~4.3 GiB.
-    fp8 = ServedModel(parse_config(DSV4_LIKE, "dsv4"), Deployment(kv_cache_dtype="fp8"))
-    assert fp8.kv_bytes_per_sequence(s) / GIB == pytest.approx(4.3, abs=0.05)
+    # Seed 002 4.6.3 counts per c4a layer a bf16 window (128 x 1,024 B), the compressed
+    # latent (262,144 x 1,024 B) and a bf16 indexer (262,144 x 256 B). vLLM 0.32 stores
+    # the indexer in fp8 (128 + 4 B scale) and keeps fp32 compressor states beside them
+    # (tests/test_vllm_planner_capacity.py checks the layout against vLLM's planner).
+    rows = ServedModel(parse_config(DSV4_LIKE, "dsv4"),
+                       Deployment(attention_backend="FLASHINFER_MLA_SPARSE_DSV4"))
+    c4 = [(spec.kind, spec.sequence_bytes(s)) for spec in rows.kv_specs[:5]]
+    assert c4 == [("indexer", 262_144 * 132), ("compressor state", 8 * 2 * 2 * 128 * 4),
+                  ("window", 128 * 1024), ("compressed", 262_144 * 1024),
+                  ("compressor state", 8 * 2 * 2 * 512 * 4)]
+    assert sum(size for _, size in c4) / MIB == pytest.approx(289.20, abs=0.01)
+    # vLLM's default backend on every CUDA GPU stores fp8_ds_mla: 584 B per latent.
+    default = ServedModel(parse_config(DSV4_LIKE, "dsv4"))
+    assert {spec.token_bytes for spec in default.kv_specs if spec.kind == "window"} == {584}
+    with pytest.raises(DeploymentError, match="fp8_ds_mla"):
+        ServedModel(parse_config(DSV4_LIKE, "dsv4"), Deployment(kv_cache_dtype="bfloat16"))
     # Short sequences: min(S, W) replaces the window.
-    assert specs[-1].sequence_bytes(64) == 2 * (64 + 64 / 128) * 512
+    window = next(spec for spec in rows.kv_specs if spec.kind == "window")
+    assert window.sequence_bytes(64) == 64 * 1024
 
 
 def test_qwen3_06b_capacity_on_a100_corrected() -> None:

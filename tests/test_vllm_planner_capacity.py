@@ -1,20 +1,24 @@
 """kvgate's KV capacity equals what vLLM 0.32's own KV cache planner computes, for the
 layer kinds the CPU build cannot serve: MLA + DSA indexer (DeepSeek-V3.2, GLM-5 with
-IndexShare), and Mamba-2 / gated-delta-net hybrids (Qwen3-Next, Qwen3.5, Nemotron-H).
+IndexShare), DeepSeek-V4 compressed attention (sliding-window caches, compressed
+latents per ratio, indexers and fp32 compressor states in packed groups), and Mamba-2 /
+gated-delta-net hybrids (Qwen3-Next, Qwen3.5, Nemotron-H).
 
 `support/vllm_planner.py` runs under the vLLM CPU build's python: it builds each layer's
 spec with vLLM's spec classes and state calculators as the model code does, applies
 vLLM's family defaults, and runs vLLM's grouping and capacity functions. The matrix
 covers two context lengths, bf16 and fp8 KV, TP 1 and TP > 1, prefix caching on and
 off (mamba cache mode align / none), speculative tokens, --block-size, Hopper and
-Blackwell (fp8_ds_mla vs plain fp8 for sparse MLA; GLM's fp8 default on Blackwell).
+Blackwell (fp8_ds_mla vs plain fp8 for sparse MLA; GLM's fp8 default on Blackwell), and
+for DeepSeek-V4 contexts up to 1M tokens, SM90/SM100/SM120 and both layouts of its
+attention backends (fp8_ds_mla, and plain bf16 / fp8 rows with FlashInfer).
 Configs: tests/data/planner (each names its source)."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -22,7 +26,7 @@ from typing import Any
 import pytest
 
 from sidecar.model import Deployment, ServedModel, read_architecture
-from sidecar.model.gpu import find_gpu
+from sidecar.model.gpu import Gpu, find_gpu
 
 from support.env import vllm_python
 
@@ -34,6 +38,8 @@ GIB = 1024**3
 BUDGET = 61 * GIB + 123_456_789  # not a whole number of blocks for any layout
 
 SPARSE_MLA = ("deepseek-ai__DeepSeek-V3.2-Exp", "zai-org__GLM-5.2")
+COMPRESSED = ("deepseek-ai__DeepSeek-V4-Flash",)
+FLASHINFER_V4 = "FLASHINFER_MLA_SPARSE_DSV4"
 HYBRIDS = ("Qwen__Qwen3-Next-80B-A3B-Instruct", "Qwen__Qwen3.5-9B",
            "nvidia__NVIDIA-Nemotron-Nano-9B-v2")
 GPU_BY_CAPABILITY = {90: "H100", 100: "B200"}
@@ -50,6 +56,7 @@ class Setting:
     block_size: int | None = None
     num_speculative_tokens: int = 0
     mamba_ssm_cache_dtype: str = "auto"
+    attention_backend: str | None = None
 
     @property
     def id(self) -> str:
@@ -62,6 +69,8 @@ class Setting:
             parts.append(f"spec{self.num_speculative_tokens}")
         if self.mamba_ssm_cache_dtype != "auto":
             parts.append(f"ssm-{self.mamba_ssm_cache_dtype}")
+        if self.attention_backend:
+            parts.append(self.attention_backend.lower())
         return "-".join(parts)
 
 
@@ -76,6 +85,19 @@ def _matrix() -> list[Setting]:
                                                 capability=capability))
         settings.append(Setting(model, 65_536, "auto", 8, prefix_caching=False))
         settings.append(Setting(model, 65_536, "auto", 8, block_size=128))
+    for model in COMPRESSED:
+        for length in (32_768, 131_072, 1_048_576):
+            for dtype in ("auto", "fp8"):
+                for backend in (None, FLASHINFER_V4):
+                    settings.append(Setting(model, length, dtype, 1,
+                                            attention_backend=backend))
+        for capability in (100, 120):
+            for backend in (None, FLASHINFER_V4):
+                settings.append(Setting(model, 131_072, "fp8", 8, capability=capability,
+                                        attention_backend=backend))
+        settings.append(Setting(model, 1_048_576, "auto", 4, prefix_caching=False))
+        settings.append(Setting(model, 131_072, "auto", 1, block_size=512))
+        settings.append(Setting(model, 65_536, "bfloat16", 1, attention_backend=FLASHINFER_V4))
     for model in HYBRIDS:
         for length in (8_192, 131_072):
             for dtype in ("auto", "fp8"):
@@ -105,6 +127,7 @@ def vllm_plans() -> dict[str, dict[str, Any]]:
          "prefix_caching": s.prefix_caching, "capability": s.capability,
          "num_speculative_tokens": s.num_speculative_tokens,
          "mamba_ssm_cache_dtype": s.mamba_ssm_cache_dtype,
+         "attention_backend": s.attention_backend,
          "available_bytes": BUDGET, "max_num_batched_tokens": 8192}
         for s in MATRIX
     ]
@@ -124,13 +147,22 @@ def kvgate(setting: Setting) -> ServedModel:
         enable_prefix_caching=setting.prefix_caching,
         num_speculative_tokens=setting.num_speculative_tokens,
         mamba_ssm_cache_dtype=setting.mamba_ssm_cache_dtype,
+        attention_backend=setting.attention_backend,
     )
-    return ServedModel(arch, deployment, find_gpu(GPU_BY_CAPABILITY[setting.capability]))
+    return ServedModel(arch, deployment, gpu_of_capability(setting.capability))
+
+
+def gpu_of_capability(capability: int) -> Gpu:
+    """A catalogue GPU of that compute capability; SM12x (no datacentre part in the
+    catalogue) as a B200 with SM 12.0: only the capability matters with a given budget."""
+    if capability in GPU_BY_CAPABILITY:
+        return find_gpu(GPU_BY_CAPABILITY[capability])
+    return replace(find_gpu("B200"), compute_capability=(capability // 10, capability % 10))
 
 
 def test_the_matrix_covers_what_the_issue_asks() -> None:
-    assert {s.model for s in MATRIX} == set(SPARSE_MLA + HYBRIDS)
-    for model in SPARSE_MLA + HYBRIDS:
+    assert {s.model for s in MATRIX} == set(SPARSE_MLA + COMPRESSED + HYBRIDS)
+    for model in SPARSE_MLA + COMPRESSED + HYBRIDS:
         rows = [s for s in MATRIX if s.model == model]
         assert len({s.max_model_len for s in rows}) >= 2
         assert {s.kv_cache_dtype for s in rows} >= {"auto", "fp8"}

@@ -22,7 +22,12 @@ from sidecar.model import (
 )
 from sidecar.model.gpu import with_overrides
 from sidecar.model.quantization import DTYPE_CHOICES
-from sidecar.model.served import KV_CACHE_DTYPES, MAMBA_CACHE_MODES, STATE_DTYPES
+from sidecar.model.served import (
+    ATTENTION_BACKENDS,
+    KV_CACHE_DTYPES,
+    MAMBA_CACHE_MODES,
+    STATE_DTYPES,
+)
 from sidecar.model.units import GIB
 
 
@@ -59,8 +64,14 @@ def add_served_model_args(parser: Parser) -> None:
                            "max_position_embeddings)")
     vllm.add_argument("--block-size", type=positive_int, metavar="N",
                       help="tokens per KV block (default: vLLM's choice for the model: 16, "
-                           "64 with a DSA indexer, raised for Mamba hybrids; vLLM on CPU "
-                           "uses 128)")
+                           "64 with a DSA indexer, 256 for DeepSeek-V4's compressed caches, "
+                           "raised for Mamba hybrids; vLLM on CPU uses 128)")
+    vllm.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, metavar="NAME",
+                      help="vLLM's --attention-backend where it changes the KV layout: "
+                           "FLASHINFER_MLA_SPARSE_DSV4 stores DeepSeek-V4's caches as plain "
+                           "bf16 / fp8 rows instead of fp8_ds_mla (not on SM12x) "
+                           f"(one of {', '.join(ATTENTION_BACKENDS)}; default: vLLM's "
+                           "choice for the GPU)")
     vllm.add_argument("--mamba-cache-mode", choices=MAMBA_CACHE_MODES, metavar="MODE",
                       help="Mamba / gated-delta-net state caching: align (2 state blocks "
                            "per request) or none (1) (default: align with prefix caching, "
@@ -143,6 +154,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         mamba_ssm_cache_dtype=args.mamba_ssm_cache_dtype,
         num_speculative_tokens=args.num_speculative_tokens,
         data_parallel_size=args.data_parallel_size,
+        attention_backend=args.attention_backend,
     )
 
 

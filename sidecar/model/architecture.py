@@ -14,10 +14,11 @@ from enum import StrEnum
 from typing import Protocol
 
 from sidecar.model.kv_spec import (
-    CompressedKV,
+    CompressedLatentKV,
     FullAttentionKV,
     IndexerKV,
     KVSpec,
+    LatentWindowKV,
     MlaKV,
     SlidingWindowKV,
     StateKV,
@@ -68,7 +69,10 @@ class KVSettings:
     - `state_element_bytes` / `ssm_state_element_bytes`: --mamba-cache-dtype and
       --mamba-ssm-cache-dtype resolved to bytes (None: auto);
     - `state_blocks_per_request`, `state_block_tokens`: from the mamba cache mode;
-    - `speculative_tokens`: --num-speculative-tokens (widens the conv state).
+    - `speculative_tokens`: --num-speculative-tokens (widens the conv state);
+    - `v4_ds_layout`: DeepSeek-V4's attention backend stores its caches as fp8_ds_mla
+      (FlashMLA, vLLM's default on every CUDA GPU; FlashInfer on SM12x) rather than
+      plain bf16 / fp8 rows (--attention-backend FLASHINFER_MLA_SPARSE_DSV4).
     """
 
     element_bytes: int
@@ -81,6 +85,7 @@ class KVSettings:
     state_blocks_per_request: int = 1
     state_block_tokens: int | None = None
     speculative_tokens: int = 0
+    v4_ds_layout: bool = True
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float": 4, "half": 2}
@@ -238,6 +243,20 @@ class MlaAttention:
         )
 
 
+# DeepSeek-V4's sliding-window cache blocks (DeepseekV4SWACache's block_size).
+_V4_WINDOW_BLOCK_TOKENS = 64
+
+
+def _compressor_state(ratio: int, head_dim: int, alignment: int) -> LatentWindowKV:
+    """DeepSeek-V4's CompressorStateCache: fp32 kv and score states over the tokens of
+    the open compression window (2 windows overlap for ratio 4), in 4-token blocks for
+    ratio 4 and 8-token blocks for ratio 128, the page sizes its kernels share."""
+    overlap = 2 if ratio == 4 else 1
+    return LatentWindowKV(window=overlap * ratio, entry_bytes=2 * overlap * head_dim * 4,
+                          own_block_tokens=4 if ratio == 4 else 8, alignment=alignment,
+                          label="compressor state")
+
+
 @dataclass(frozen=True)
 class CompressedAttention:
     """DeepSeek-V4 style attention with cross-token KV compression (shared K = V)."""
@@ -268,17 +287,28 @@ class CompressedAttention:
         return {Role.ATTENTION: replicated + split / tp}
 
     def kv_specs(self, settings: KVSettings) -> list[KVSpec]:
-        index_bytes = 0.5 if settings.fp8_cache else float(settings.element_bytes)
-        return [
-            CompressedKV(
-                self.ratio,
-                self.window,
-                self.head_dim,
-                self.index_head_dim if self.ratio == 4 else 0,
-                float(settings.element_bytes),
-                index_bytes,
-            )
-        ]
+        """The caches vLLM 0.32's DeepseekV4Attention registers, in its order: for
+        ratio 4 the indexer's keys (128 fp8 + 4 B scale per entry) and its compressor
+        state, then the sliding-window cache, then for ratio > 1 the compressed latent
+        and its compressor state (fp32, kv and score halves, doubled for the
+        overlapping ratio-4 windows). fp8_ds_mla stores a latent in 584 B (448 B nope,
+        128 B rope, 8 B scales) with pages aligned to 576 B; plain rows store
+        head_dim elements (bf16 for auto) with pages aligned to 512 B."""
+        ds = settings.v4_ds_layout
+        alignment = 576 if ds else 512
+        entry = 584 if ds else self.head_dim * (1 if settings.fp8_cache else 2)
+        ratio = max(1, self.ratio)
+        specs: list[KVSpec] = []
+        if ratio == 4:
+            specs.append(CompressedLatentKV(ratio, self.index_head_dim + self.index_head_dim
+                                            // 128 * 4, alignment, "indexer",
+                                            block_outermost=True))
+            specs.append(_compressor_state(ratio, self.index_head_dim, alignment))
+        specs.append(LatentWindowKV(self.window, entry, _V4_WINDOW_BLOCK_TOKENS, alignment))
+        if ratio > 1:
+            specs.append(CompressedLatentKV(ratio, entry, alignment))
+            specs.append(_compressor_state(ratio, self.head_dim, alignment))
+        return specs
 
     def tp_error(self, tp: int) -> str | None:
         if self.num_heads % tp:

@@ -6,8 +6,11 @@ This follows vLLM's v1 KV cache manager (`vllm/v1/core/kv_cache_utils.py`):
    layers form one group; if they differ but need the same blocks per request
    (full attention with different head sizes, MLA plus its indexer), they form one
    group whose page is the sum of their pages.
-2. Otherwise (hybrid sliding/full, Mamba hybrids) pages are unified: a smaller page
-   gets a larger block size when it divides the largest page, else it is padded.
+2. When a backend packs pages of different sizes side by side in a block (DeepSeek-V4's
+   indexer: a block-outermost layout), layers are grouped as packed groups
+   (`_packed_layout`). Otherwise (hybrid sliding/full, Mamba hybrids) pages are
+   unified: a smaller page gets a larger block size when it divides the largest
+   page, else it is padded.
    Layers are bucketed by spec; the group size is the smallest bucket (or the
    largest, when it is under 1.5x the smallest); each bucket splits into groups of
    that many layers, the last padded.
@@ -28,7 +31,7 @@ leaves it out (the admission ledger uses that).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from sidecar.model.kv_spec import CompositeKV, KVSpec
@@ -152,12 +155,107 @@ def build_layout(specs: Sequence[KVSpec], block_size: int | None) -> KVLayout:
     if all(spec == first for spec in specs):
         group = KVGroup(first, first.block_tokens or block_size, len(specs))
         return KVLayout((group,), group.page_bytes * len(specs))
-    if len({spec.slot_class for spec in specs}) == 1 and all(
-        spec.state_page_bytes is None for spec in specs
-    ):
-        group = KVGroup(CompositeKV(tuple(specs)), block_size, len(specs))
+    if (len({(spec.slot_class, spec.block_tokens) for spec in specs}) == 1
+            and all(spec.state_page_bytes is None for spec in specs)):
+        group = KVGroup(CompositeKV(tuple(specs)), first.block_tokens or block_size,
+                        len(specs))
         return KVLayout((group,), group.page_bytes)
+    sized = [(spec, spec.block_tokens or block_size) for spec in specs]
+    if (any(spec.packs_pages for spec in specs)
+            and len({spec.page_bytes(size) for spec, size in sized}) > 1):
+        return _packed_layout(sized)
     return _hybrid_layout(specs, block_size)
+
+
+def _approximate_gcd(values: Sequence[int], lower_bound: int) -> int:
+    """vLLM's `_approximate_gcd`: the divisor d >= lower_bound that least pads the
+    values up to multiples of d (ties: the larger d)."""
+    best, best_pad = lower_bound, None
+    for d in range(lower_bound, max(values) + 1):
+        pad = sum((d - value % d) % d for value in values)
+        if best_pad is None or pad <= best_pad:
+            best, best_pad = d, pad
+    return best
+
+
+@dataclass(frozen=True)
+class _Bucket:
+    """Layers of one block size and slot class, by page size (layer order kept)."""
+
+    block_size: int
+    by_page: dict[int, list[KVSpec]]
+
+    @property
+    def count(self) -> int:
+        return sum(len(specs) for specs in self.by_page.values())
+
+    @property
+    def repeats(self) -> int:
+        """Layers of the most common page size: the pattern's repeats when balanced."""
+        return max(len(specs) for specs in self.by_page.values())
+
+    @property
+    def balanced(self) -> bool:
+        return len({len(specs) for specs in self.by_page.values()}) == 1
+
+    def widest_group_bytes(self, groups: int) -> int:
+        return sum(cdiv(len(specs), groups) * page for page, specs in self.by_page.items())
+
+
+def _packed_layout(sized: Sequence[tuple[KVSpec, int]]) -> KVLayout:
+    """vLLM's `_get_packed_kv_cache_groups`, for a block-outermost cache layout: pages
+    of different sizes sit side by side in each block, so layers are not unified.
+
+    Layers are bucketed by (block size, slot class); a balanced bucket (equal layer
+    counts per page size) is a repeating pattern and splits into groups of the same
+    number of repeats, chosen to pad least (at least the largest multi-page bucket's
+    repeats); a state bucket (Mamba, or sliding windows when nothing repeats) splits
+    further to fit the block the others already need. A block holds one page of every
+    layer of the widest group. Worked example, DeepSeek-V4-Flash in fp8_ds_mla: 43
+    sliding-window caches, 21 ratio-4 and 20 ratio-128 latents with 21 indexers at
+    block 256, 21 + 21 ratio-4 compressor states, 20 ratio-128 ones; repeats
+    approximate_gcd([43, 21, 20], >= 21) = 22, so the sliding windows split in 2
+    groups; the latent group is the widest: 21 x 37,440 + 20 x 1,728 + 21 x 8,640 =
+    1,002,240 B per block.
+    """
+    buckets: dict[tuple[int, Hashable], _Bucket] = {}
+    for spec, size in sized:
+        bucket = buckets.setdefault((size, spec.slot_class), _Bucket(size, {}))
+        bucket.by_page.setdefault(spec.page_bytes(size), []).append(spec)
+    min_repeats = max((b.repeats for b in buckets.values() if b.balanced and len(b.by_page) > 1),
+                      default=0)
+    repeats = (_approximate_gcd([b.repeats for b in buckets.values() if b.balanced],
+                                min_repeats) if min_repeats else None)
+
+    def groups_for(bucket: _Bucket) -> int:
+        return cdiv(bucket.repeats, repeats) if bucket.balanced and repeats else 1
+
+    def is_state(bucket: _Bucket) -> bool:
+        first = next(iter(bucket.by_page.values()))[0]
+        return first.state_page_bytes is not None or (repeats is None and first.recycles_blocks)
+
+    anchor = max(b.widest_group_bytes(b.count if is_state(b) else groups_for(b))
+                 for b in buckets.values())
+    groups: list[KVGroup] = []
+    for bucket in buckets.values():
+        count = groups_for(bucket)
+        if is_state(bucket):
+            per_block = max(anchor // next(iter(bucket.by_page)), 1)
+            count = max(count, cdiv(bucket.count, per_block))
+        if count == 1:
+            members = [spec for specs in bucket.by_page.values() for spec in specs]
+            groups.append(_composite_group(members, bucket.block_size))
+            continue
+        pattern = list(zip(*bucket.by_page.values(), strict=False))
+        for index in range(count):
+            members = [spec for repeat in pattern[index::count] for spec in repeat]
+            groups.append(_composite_group(members, bucket.block_size))
+    return KVLayout(tuple(groups), max(group.page_bytes for group in groups))
+
+
+def _composite_group(members: Sequence[KVSpec], block_size: int) -> KVGroup:
+    spec = members[0] if len(members) == 1 else CompositeKV(tuple(members))
+    return KVGroup(spec, block_size, len(members))
 
 
 def _hybrid_layout(specs: Sequence[KVSpec], block_size: int) -> KVLayout:

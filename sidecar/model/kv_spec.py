@@ -27,12 +27,23 @@ from sidecar.model.units import cdiv
 SPARSE_MLA_BLOCK_TOKENS = 64
 
 
+def _round_up(value: int, multiple: int) -> int:
+    return cdiv(value, multiple) * multiple
+
+
+def _window_cap_blocks(window: int, max_tokens: int, block_size: int,
+                       in_flight_tokens: int) -> int:
+    """vLLM's per-request cap for a sliding window (SlidingWindowSpec's
+    max_admission_blocks_per_request)."""
+    return cdiv(min(window - 1 + in_flight_tokens, max_tokens), block_size) + 1
+
+
 @dataclass(frozen=True)
 class KVSpec(ABC):
     @property
     @abstractmethod
     def kind(self) -> str:
-        """A short label: full, sliding, mla, indexer, compressed, state."""
+        """A short label: full, sliding, mla, indexer, compressed, window, state."""
 
     @property
     @abstractmethod
@@ -92,6 +103,13 @@ class KVSpec(ABC):
     def prefix_shareable(self) -> bool:
         """True when vLLM shares this layer's prompt blocks between requests with a
         common prefix for the whole of their lives (full-length attention caches)."""
+        return False
+
+    @property
+    def packs_pages(self) -> bool:
+        """True when this layer's attention backend packs pages of different sizes side
+        by side inside each block (a block-outermost cache layout): vLLM then groups the
+        layers as packed groups instead of unifying their page sizes."""
         return False
 
     def budgeted_blocks(self, max_model_len: int, block_size: int, in_flight_tokens: int) -> int:
@@ -168,7 +186,7 @@ class SlidingWindowKV(FullAttentionKV):
 
     def window_cap_blocks(self, max_tokens: int, block_size: int, in_flight_tokens: int) -> int:
         """vLLM's admission cap for a request of up to `max_tokens` tokens."""
-        return cdiv(min(self.window - 1 + in_flight_tokens, max_tokens), block_size) + 1
+        return _window_cap_blocks(self.window, max_tokens, block_size, in_flight_tokens)
 
     def blocks_held(self, tokens: int, block_size: int, in_flight_tokens: int) -> int:
         return min(
@@ -293,61 +311,121 @@ class IndexerKV(KVSpec):
         return True
 
 
-@dataclass(frozen=True)
-class CompressedKV(KVSpec):
-    """DeepSeek-V4 cross-token compression: K = V shared (no factor 2).
+# DeepSeek-V4: the sparse MLA (FlashMLA / FlashInfer) and indexer kernels take 256-token
+# blocks (block sizes count uncompressed tokens); vLLM picks 256 without --block-size.
+COMPRESSED_MLA_BLOCK_TOKENS = 256
 
-    A layer keeps an uncompressed window of `window` tokens plus one compressed
-    entry per `ratio` tokens (ratio 0: window only); ratio-4 layers also keep an
-    indexer entry per compressed token.  Per sequence of S tokens:
-    element_bytes x (min(S, W) + S/ratio) x d_kv + index_bytes x (S/ratio) x d_idx.
-    Seed example, c4a at S = 1,048,576 in bf16: 2 x [(128 + 262,144) x 512 +
-    262,144 x 128] = 335,691,776 B per layer.
+
+@dataclass(frozen=True)
+class LatentWindowKV(KVSpec):
+    """A sliding window of one vector per token, with its own block size and its page
+    rounded up to an alignment (vLLM's SlidingWindowMLASpec as DeepSeek-V4 builds it):
+    the sliding-window cache of every layer (window 128, 64-token blocks) and the fp32
+    compressor states (window 8 in 4-token blocks for ratio 4, 128 in 8-token blocks for
+    ratio 128).
+
+    Worked example, the fp8_ds_mla sliding-window cache: 64 tokens x 584 B = 37,376 B,
+    rounded up to a multiple of 576: 37,440 B per block.
     """
 
-    ratio: int
     window: int
-    latent_dim: int
-    index_dim: int
-    element_bytes: float
-    index_element_bytes: float
+    entry_bytes: int
+    own_block_tokens: int
+    alignment: int
+    label: str = "window"
 
     @property
     def kind(self) -> str:
-        return "compressed" if self.ratio else "window"
+        return self.label
 
     @property
     def token_bytes(self) -> float:
-        if not self.ratio:
-            return self.latent_dim * self.element_bytes
-        return (
-            self.latent_dim * self.element_bytes + self.index_dim * self.index_element_bytes
-        ) / self.ratio
+        return float(self.entry_bytes)
 
     def page_bytes(self, block_size: int) -> int:
-        # One page holds the compressed entries of `block_size` tokens.
-        return max(1, int(block_size * self.token_bytes))
+        return _round_up(block_size * self.entry_bytes, self.alignment)
 
     def sequence_bytes(self, tokens: int) -> float:
-        window_bytes = min(tokens, self.window) * self.latent_dim * self.element_bytes
-        if not self.ratio:
-            return window_bytes
-        compressed = tokens / self.ratio
-        return (
-            window_bytes
-            + compressed * self.latent_dim * self.element_bytes
-            + compressed * self.index_dim * self.index_element_bytes
-        )
+        return float(min(tokens, self.window) * self.entry_bytes)
 
     def blocks_held(self, tokens: int, block_size: int, in_flight_tokens: int) -> int:
-        window_blocks = cdiv(min(tokens, self.window), block_size) + 1
-        if not self.ratio:
-            return window_blocks
-        return window_blocks + cdiv(tokens, block_size)
+        return min(cdiv(tokens, block_size),
+                   _window_cap_blocks(self.window, tokens, block_size, in_flight_tokens))
+
+    def budgeted_blocks(self, max_model_len: int, block_size: int, in_flight_tokens: int) -> int:
+        return _window_cap_blocks(self.window, max_model_len, block_size, in_flight_tokens)
+
+    def blocks_in_step(
+        self, computed_tokens: int, new_tokens: int, settled_tokens: int, block_size: int
+    ) -> int:
+        skipped_blocks = max(0, settled_tokens - self.window + 1) // block_size
+        return max(0, cdiv(computed_tokens + new_tokens, block_size) - skipped_blocks)
+
+    @property
+    def recycles_blocks(self) -> bool:
+        return True
+
+    @property
+    def block_tokens(self) -> int | None:
+        return self.own_block_tokens
 
     @property
     def slot_class(self) -> Hashable:
-        return ("compressed", self.ratio, self.window)
+        return ("sliding", self.window)
+
+
+@dataclass(frozen=True)
+class CompressedLatentKV(KVSpec):
+    """One stored entry per `ratio` tokens for the whole sequence (vLLM's
+    MLAAttentionSpec with tokens_per_state = ratio): DeepSeek-V4's compressed latent
+    (ratio 4 or 128) and the indexer keys of its ratio-4 layers. A block counts
+    uncompressed tokens, so it stores block_size / ratio entries, rounded up to the
+    alignment.
+
+    Worked example, a ratio-128 latent in fp8_ds_mla at block 256: 2 entries x 584 B
+    = 1,168 B, rounded up to a multiple of 576: 1,728 B per block. `block_outermost`:
+    the layer's backend (the DeepSeek-V4 indexer) packs pages of different sizes side
+    by side in each block, which makes vLLM group the model's layers as packed groups.
+    """
+
+    ratio: int
+    entry_bytes: int
+    alignment: int
+    label: str = "compressed"
+    block_outermost: bool = False
+
+    @property
+    def kind(self) -> str:
+        return self.label
+
+    @property
+    def kernel_block_size(self) -> int | None:
+        return COMPRESSED_MLA_BLOCK_TOKENS
+
+    @property
+    def token_bytes(self) -> float:
+        return self.entry_bytes / self.ratio
+
+    def page_bytes(self, block_size: int) -> int:
+        return _round_up(block_size // self.ratio * self.entry_bytes, self.alignment)
+
+    def sequence_bytes(self, tokens: int) -> float:
+        return float(tokens // self.ratio * self.entry_bytes)
+
+    def blocks_held(self, tokens: int, block_size: int, in_flight_tokens: int) -> int:
+        return cdiv(tokens, block_size)
+
+    @property
+    def packs_pages(self) -> bool:
+        return self.block_outermost
+
+    @property
+    def slot_class(self) -> Hashable:
+        return "full"
+
+    @property
+    def prefix_shareable(self) -> bool:
+        return True
 
 
 @dataclass(frozen=True)
@@ -454,6 +532,10 @@ class PaddedKV(KVSpec):
         return self.inner.block_tokens
 
     @property
+    def packs_pages(self) -> bool:
+        return self.inner.packs_pages
+
+    @property
     def slot_class(self) -> Hashable:
         return self.inner.slot_class
 
@@ -507,6 +589,14 @@ class CompositeKV(KVSpec):
     def kernel_block_size(self) -> int | None:
         return max((size for part in self.parts if (size := part.kernel_block_size)),
                    default=None)
+
+    @property
+    def block_tokens(self) -> int | None:
+        return self.parts[0].block_tokens
+
+    @property
+    def packs_pages(self) -> bool:
+        return any(part.packs_pages for part in self.parts)
 
     @property
     def slot_class(self) -> Hashable:

@@ -11,7 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import cached_property
 
-from sidecar.model.architecture import KVSettings, ModelArchitecture, dtype_bytes
+from sidecar.model.architecture import (
+    CompressedAttention,
+    KVSettings,
+    ModelArchitecture,
+    dtype_bytes,
+)
 from sidecar.model.capacity import KVCapacity, KVLayout, build_layout, kv_capacity
 from sidecar.model.errors import DeploymentError
 from sidecar.model.gpu import Gpu
@@ -28,6 +33,9 @@ from sidecar.model.weights import WeightFootprint, weight_footprint
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "fp8_ds_mla", "bfloat16",
                    "float16")
 MAMBA_CACHE_MODES = ("align", "none")
+# --attention-backend values that change a KV cache layout kvgate models: DeepSeek-V4's
+# FlashInfer backend stores plain bf16 / fp8 rows instead of fp8_ds_mla (not on SM12x).
+ATTENTION_BACKENDS = ("FLASHMLA_SPARSE_DSV4", "FLASHINFER_MLA_SPARSE_DSV4")
 STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -52,6 +60,7 @@ class Deployment:
     mamba_ssm_cache_dtype: str = "auto"  # temporal state; auto = the family's default
     num_speculative_tokens: int = 0
     data_parallel_size: int = 1  # engines, each with its own KV pool
+    attention_backend: str | None = None  # None: vLLM's choice for the GPU
 
     @property
     def resolved_mamba_cache_mode(self) -> str:
@@ -98,6 +107,11 @@ class Deployment:
             raise DeploymentError("--num-speculative-tokens must not be negative")
         if self.data_parallel_size < 1:
             raise DeploymentError("--data-parallel-size must be a positive integer")
+        if self.attention_backend is not None and self.attention_backend not in (
+                ATTENTION_BACKENDS):
+            raise DeploymentError(
+                f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)} "
+                f"(the backends whose KV layout kvgate models), got {self.attention_backend!r}")
         error = arch.tp_error(self.tp)
         if error is not None:
             raise DeploymentError(error)
@@ -127,6 +141,20 @@ class ServedModel:
         self.deployment = (deployment or Deployment()).validated(arch)
         self.gpu = gpu
         self.efficiency = efficiency
+        self._check_v4_cache_dtype()
+
+    def _check_v4_cache_dtype(self) -> None:
+        """vLLM refuses a non-fp8 --kv-cache-dtype for DeepSeek-V4 on its fp8_ds_mla
+        backends (`_resolve_dsv4_kv_cache_dtype`)."""
+        compressed = any(isinstance(layer.mixer, CompressedAttention)
+                         for layer in self.arch.layers)
+        dtype = self.deployment.kv_cache_dtype
+        if (compressed and self._v4_ds_layout and dtype != "auto"
+                and not dtype.startswith("fp8")):
+            raise DeploymentError(
+                f"--kv-cache-dtype {dtype} is refused by vLLM for DeepSeek-V4 on its "
+                "fp8_ds_mla attention backend (the default on every CUDA GPU): use auto "
+                "or fp8, or --attention-backend FLASHINFER_MLA_SPARSE_DSV4")
 
     def with_efficiency(self, efficiency: Efficiency) -> ServedModel:
         return ServedModel(self.arch, self.deployment, self.gpu, efficiency)
@@ -209,7 +237,15 @@ class ServedModel:
             state_blocks_per_request=(2 if align else 1) + spec_tokens,
             state_block_tokens=None if align else self.max_model_len,
             speculative_tokens=spec_tokens,
+            v4_ds_layout=self._v4_ds_layout,
         )
+
+    @property
+    def _v4_ds_layout(self) -> bool:
+        """DeepSeek-V4 stores fp8_ds_mla unless the FlashInfer backend is asked for
+        off SM12x (vLLM's `_select_dsv4_attn_cls`)."""
+        return (self.deployment.attention_backend != "FLASHINFER_MLA_SPARSE_DSV4"
+                or self.compute_capability_major == 12)
 
     @cached_property
     def kv_specs(self) -> list[KVSpec]:
@@ -223,7 +259,7 @@ class ServedModel:
     def block_size(self) -> int:
         """The attention block size vLLM runs with (its cache_config.block_size)."""
         sizes = [group.block_size for group in self.layout.groups
-                 if group.spec.state_page_bytes is None]
+                 if group.spec.state_page_bytes is None and group.spec.block_tokens is None]
         return min(sizes, default=self.deployment.block_size or 16)
 
     @property

@@ -21,6 +21,17 @@ named:
   Mamba hybrids, with FlashAttention's 16-token kernel block (Hopper);
 - the sparse MLA backend per GPU: FLASHMLA_SPARSE on SM90 stores an fp8 cache as
   `fp8_ds_mla` (656 B per token), FLASHINFER_MLA_SPARSE on SM100 as plain fp8.
+
+DeepSeek-V4 runs more of vLLM's own code: its cache layers (`DeepseekV4SWACache`,
+`CompressorStateCache`, `DeepseekV4IndexerCache`) are constructed and the attention
+layer class the GPU gets (`_select_dsv4_attn_cls`, asked with the GPU's compute
+capability) answers `get_kv_cache_spec` itself; the block size comes from the layers'
+backends (`Platform._preferred_block_size_for_backends`), the cache layout from
+`resolve_kv_cache_layout`. Transcribed from `models/deepseek_v4/attention.py` and
+`compressor.py`: which caches a layer with compress ratio r has (a sliding-window
+cache; for r > 1 the compressed latent and an fp32 compressor state of
+2 x (1 + [r == 4]) x head_dim; for r == 4 an indexer cache of 128 + 4 B and its
+compressor state), and their registration order.
 """
 
 from __future__ import annotations
@@ -166,6 +177,83 @@ def _sparse_mla_specs(vc: _Namespace, s: dict[str, Any]) -> dict[str, KVCacheSpe
     return specs
 
 
+# ---- DeepSeek-V4 compressed attention ---------------------------------------------------
+
+def _dsv4_specs(vc: _Namespace, s: dict[str, Any]) -> dict[str, KVCacheSpec]:
+    from vllm.config.attention import AttentionConfig
+    from vllm.config.vllm import set_current_vllm_config
+    from vllm.models.deepseek_v4 import attention as v4_attention
+    from vllm.models.deepseek_v4.compressor import CompressorStateCache
+    from vllm.models.deepseek_v4.nvidia import model as v4_nvidia
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability, Platform
+    from vllm.v1.attention.backends.mla.indexer import dsa_indexer_uses_fp4
+    from vllm.v1.attention.backends.mla.sparse_swa import DeepseekV4SWACache
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    from vllm.v1.attention.backends.utils import (
+        get_supported_kv_cache_layouts,
+        resolve_kv_cache_layout,
+    )
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+
+    hf = vc.model_config.hf_config
+    cache = vc.cache_config
+    cache.kv_cache_layout = None
+    cache.get_resolved_kv_cache_layout = lambda: KVCacheLayout[cache.kv_cache_layout]
+    vc.attention_config = AttentionConfig()
+    if s.get("attention_backend"):
+        vc.attention_config.backend = AttentionBackendEnum[s["attention_backend"]]
+    vc.compilation_config = _Namespace(static_forward_context={})
+    capability = s.get("capability", 90)
+    current_platform.get_device_capability = (  # type: ignore[method-assign]
+        lambda device_id=0: DeviceCapability(capability // 10, capability % 10))
+    attn_cls = v4_nvidia._select_dsv4_attn_cls(vc)
+    head_dim = hf.head_dim
+    index_head = hf.index_head_dim
+    layers: dict[str, Any] = vc.compilation_config.static_forward_context
+    with set_current_vllm_config(vc):
+        for i in range(hf.num_hidden_layers):
+            prefix = f"model.layers.{i}.attn"
+            ratio = max(1, hf.compress_ratios[i])
+            if ratio == 4:  # DeepseekV4Indexer: its key cache, then its compressor
+                fp4 = dsa_indexer_uses_fp4(vc)
+                k_head = (index_head // 2 + index_head // 32 if fp4
+                          else index_head + index_head // 128 * 4)
+                v4_attention.DeepseekV4IndexerCache(
+                    head_dim=k_head, dtype=torch.uint8, prefix=f"{prefix}.indexer.k_cache",
+                    cache_config=cache, compress_ratio=ratio)
+                CompressorStateCache(2 * 2 * index_head, torch.float32, ratio,
+                                     f"{prefix}.indexer.compressor.state_cache")
+            attn = attn_cls.__new__(attn_cls)
+            torch.nn.Module.__init__(attn)
+            attn.compress_ratio = ratio
+            attn.head_dim = head_dim
+            attn.kv_cache_dtype, attn.kv_cache_torch_dtype = (
+                v4_attention._resolve_dsv4_kv_cache_dtype(
+                    attn._uses_fp8_ds_mla_layout(), cache.cache_dtype, cache))
+            DeepseekV4SWACache(head_dim=head_dim, window_size=hf.sliding_window,
+                               dtype=attn.kv_cache_torch_dtype, prefix=f"{prefix}.swa_cache",
+                               cache_config=cache, backend_cls=attn.swa_backend_cls)
+            layers[prefix] = attn
+            if ratio > 1:
+                coff = 1 + (ratio == 4)
+                CompressorStateCache(2 * coff * head_dim, torch.float32, ratio,
+                                     f"{prefix}.compressor.state_cache")
+    backends = []
+    for layer in layers.values():
+        backend = layer.get_attn_backend()
+        if backend not in backends:
+            backends.append(backend)
+    if not cache.user_specified_block_size:  # Platform.update_block_size_for_backend
+        cache.block_size = Platform._preferred_block_size_for_backends(
+            backends, DEFAULT_BLOCK_SIZE, vc)
+    specs = {name: spec for name, layer in layers.items()
+             if (spec := layer.get_kv_cache_spec(vc)) is not None}
+    layouts = [layout.name for layout in get_supported_kv_cache_layouts(backends)]
+    resolve_kv_cache_layout(vc, [layouts], specs.values())
+    return specs
+
+
 # ---- Mamba-2 / gated delta net hybrids --------------------------------------------------
 
 def _layer_kinds(hf: SimpleNamespace) -> list[str]:
@@ -259,8 +347,12 @@ def _opt(hf: SimpleNamespace, name: str) -> Any:
 def plan(s: dict[str, Any]) -> dict[str, Any]:
     hf = _hf_config(s["config"])
     vc = _vllm_config(s, hf)
-    specs = (_sparse_mla_specs(vc, s) if _opt(hf, "index_topk") is not None
-             else _hybrid_specs(vc, s))
+    if _opt(hf, "compress_ratios") is not None:
+        specs = _dsv4_specs(vc, s)
+    elif _opt(hf, "index_topk") is not None:
+        specs = _sparse_mla_specs(vc, s)
+    else:
+        specs = _hybrid_specs(vc, s)
     groups = get_kv_cache_groups(vc, specs)
     config = get_kv_cache_config_from_groups(vc, groups, s["available_bytes"])
     concurrency = get_max_concurrency_for_kv_cache_config(vc, config)
