@@ -1,0 +1,302 @@
+#!/usr/bin/env python3
+"""Out-of-sample accuracy of the latency model: the fit of its physics terms,
+cross-validated by model family, against the public measurements in tests/data.
+
+    python bench/model_cv.py [--json bench/results/model_cv.json]
+
+The fit (`fit`) moves only terms that are physics or engine properties, never a
+per-model or per-GPU constant: the hardware efficiencies shared by every row (compute,
+bandwidth, per-layer cost, serial fraction) and each serving engine's host costs (per
+step, per request, per all-reduce). It starts from a fixed textbook prior
+(`NEUTRAL_START`), not from the committed constants, so no fold sees the rows it is
+tested on, even through its starting point.
+
+Leave one model family out (`FAMILIES`): for each family, the terms are fitted on the
+steady rows (one request at a time) of every other family and then predict the held
+family's rows:
+
+- steady rows (concurrency 1): TTFT and TPOT by `steady_latency`, as `kvgate plan`;
+- burst rows (N prompts sent at once, concurrency > 1): mean TTFT and TPOT from the
+  engine simulator (`sidecar.model.simulator`), as `kvgate plan` now answers.
+
+Every figure printed is out of fold: each row is predicted by constants fitted without
+its family. An engine whose rows all belong to the held family keeps the prior for its
+host costs (nothing is fitted on fewer than `MIN_ROWS_PER_ENGINE` rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+for _extra in (ROOT, ROOT / "tests"):
+    if str(_extra) not in sys.path:
+        sys.path.insert(0, str(_extra))
+
+from sidecar.cli.table import render  # noqa: E402
+from sidecar.model import ServedModel  # noqa: E402
+from sidecar.model.latency import (  # noqa: E402
+    DEFAULT_EFFICIENCY,
+    TENSORRT_LLM,
+    VLLM,
+    Efficiency,
+    EngineOverhead,
+)
+from sidecar.model.simulator import EngineConfig, SimRequest, Trace, simulate  # noqa: E402
+
+from support.groundtruth import LatencyCase, latency_cases, predict_steady  # noqa: E402
+
+ENGINES = (VLLM, TENSORRT_LLM)
+
+# Model families: a family shares its architecture and its makers' choices, so holding
+# one out asks the fit to predict a model it has never seen.
+FAMILIES = {"llama-2": "Llama-2", "mistral": "Mistral-7B", "mixtral": "Mixtral",
+            "qwen": "Qwen", "gpt-oss": "gpt-oss"}
+
+# A fixed prior, not fitted to any row: half of peak FLOP/s, 70% of peak bandwidth,
+# 20 us per layer, overlap complete, 1 ms per step, 10 ms per request, 10 us per
+# all-reduce.
+NEUTRAL_START: dict[str, float] = {
+    "compute": 0.5, "bandwidth": 0.7, "per_layer_s": 20e-6, "serial_fraction": 0.0,
+    **{f"{engine}.{name}": value for engine in ENGINES for name, value in
+       (("per_step_s", 1e-3), ("per_request_s", 10e-3), ("allreduce_latency_s", 10e-6))},
+}
+HARDWARE = (("compute", 0.2, 1.0), ("bandwidth", 0.3, 1.0), ("per_layer_s", 0.0, 2e-4),
+            ("serial_fraction", 0.0, 1.0))
+ENGINE_TERMS = (("per_step_s", 0.0, 1e-2), ("per_request_s", 0.0, 0.1),
+                ("allreduce_latency_s", 0.0, 1e-4))
+MIN_ROWS_PER_ENGINE = 3
+BANDS = ("concurrency 1", "concurrency > 1")
+
+
+def family(case: LatencyCase) -> str:
+    for name, marker in FAMILIES.items():
+        if marker.lower() in case.model.lower():
+            return name
+    raise ValueError(f"{case.ref}: model {case.model!r} is in no family of FAMILIES")
+
+
+def usable_cases() -> list[LatencyCase]:
+    return [c for c in latency_cases() if c.usable and c.ttft_ms is not None
+            and c.tpot_ms is not None and c.kind in ("steady", "burst")]
+
+
+def efficiency_for(values: dict[str, float], engine: str) -> Efficiency:
+    base = replace(DEFAULT_EFFICIENCY, **{name: values[name] for name, _, _ in HARDWARE})
+    overhead = EngineOverhead(values[f"{engine}.per_step_s"],
+                              values[f"{engine}.per_request_s"],
+                              values[f"{engine}.allreduce_latency_s"])
+    return replace(base, per_step_s=overhead.per_step_s, per_request_s=overhead.per_request_s,
+                   allreduce_latency_s=overhead.allreduce_latency_s)
+
+
+class _WarmCase:
+    """A case whose served model keeps what no efficiency changes (weights, KV specs,
+    matmul parameters) across the fit's thousands of efficiencies: `predict_steady`
+    gives the same figures, several times faster."""
+
+    def __init__(self, case: LatencyCase) -> None:
+        self.case = case
+        self.base: ServedModel = case.served()
+        self.input_len, self.output_len = case.input_len, case.output_len
+        self.cached_tokens, self.engine = case.cached_tokens, case.engine
+        self.ttft_ms, self.tpot_ms = case.ttft_ms, case.tpot_ms
+        base_roofline = self.base.roofline
+        assert base_roofline is not None
+        self.matmul_params = base_roofline._matmul_params
+        self.warm = {name: getattr(self.base, name) for name in ("weights", "kv_specs")}
+
+    def served(self) -> _WarmServed:
+        return _WarmServed(self)
+
+
+class _WarmServed:
+    def __init__(self, warm: _WarmCase) -> None:
+        self.warm = warm
+
+    def with_efficiency(self, efficiency: Efficiency) -> ServedModel:
+        base = self.warm.base
+        served = base.with_efficiency(efficiency)
+        served.__dict__.update(self.warm.warm)
+        roofline = served.roofline
+        assert roofline is not None
+        roofline.__dict__["_matmul_params"] = self.warm.matmul_params
+        return served
+
+
+def objective(cases: Sequence[LatencyCase]) -> Callable[[dict[str, float]], float]:
+    """Mean over engines of the median |log(model / measured)| of steady TTFT and TPOT:
+    each engine's host costs answer to its own rows, the hardware terms to all."""
+    warm = [_WarmCase(case) for case in cases]
+    check = efficiency_for(NEUTRAL_START, VLLM)
+    for one in warm[:3]:
+        assert predict_steady(one, check) == predict_steady(one.case, check)
+
+    def score(values: dict[str, float]) -> float:
+        errors: dict[str, list[float]] = {}
+        for case in warm:
+            assert case.ttft_ms is not None and case.tpot_ms is not None
+            ttft, tpot = predict_steady(case, efficiency_for(values, case.engine))
+            errors.setdefault(case.engine, []).extend(
+                [abs(math.log(ttft * 1e3 / case.ttft_ms)),
+                 abs(math.log(tpot * 1e3 / case.tpot_ms))])
+        return statistics.fmean(statistics.median(v) for v in errors.values())
+
+    return score
+
+
+def fit(cases: Sequence[LatencyCase], rounds: int = 5) -> dict[str, float]:
+    """Coordinate search from NEUTRAL_START over the physics and engine terms, on the
+    steady rows of `cases`. Engines with fewer than MIN_ROWS_PER_ENGINE rows keep the
+    prior. Deterministic."""
+    steady = [c for c in cases if c.kind == "steady"]
+    rows = {engine: sum(1 for c in steady if c.engine == engine) for engine in ENGINES}
+    bounds = {name: (low, high) for name, low, high in HARDWARE}
+    for engine in ENGINES:
+        if rows[engine] >= MIN_ROWS_PER_ENGINE:
+            for name, low, high in ENGINE_TERMS:
+                bounds[f"{engine}.{name}"] = (low, high)
+    score = objective(steady)
+    values = dict(NEUTRAL_START)
+    best = score(values)
+    step = 0.5
+    for _ in range(rounds):
+        improved = True
+        while improved:
+            improved = False
+            for name, (low, high) in bounds.items():
+                for factor in (1 + step, 1 / (1 + step)):
+                    current = values[name]
+                    trial_value = current * factor if current > 0 else (high - low) * step / 10
+                    trial_value = min(high, max(low, trial_value))
+                    if trial_value == current:
+                        continue
+                    trial = {**values, name: trial_value}
+                    trial_score = score(trial)
+                    if trial_score < best - 1e-9:
+                        values, best, improved = trial, trial_score, True
+                        break
+        step /= 2
+    return values
+
+
+def predict_burst(case: LatencyCase, efficiency: Efficiency) -> tuple[float, float]:
+    """Mean TTFT and TPOT (s) of `num_prompts` requests sent at once, by the engine
+    simulator (the server's max_num_seqs, token budget and KV cache)."""
+    served = case.served().with_efficiency(efficiency)
+    requests = [SimRequest(0.0, case.input_len, case.output_len)
+                for _ in range(case.num_prompts or 1)]
+    summary = simulate(served, Trace(requests), EngineConfig.of(served)).summary()
+    return summary["ttft_s"]["mean"], summary["tpot_s"]["mean"]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    ref: str
+    model: str
+    family: str
+    engine: str
+    band: str
+    quantity: str  # "ttft" or "tpot"
+    predicted_ms: float
+    measured_ms: float
+
+    @property
+    def ape(self) -> float:
+        return abs(self.predicted_ms / self.measured_ms - 1)
+
+
+def cross_validate(cases: Sequence[LatencyCase] | None = None,
+                   rounds: int = 5) -> tuple[list[Prediction], dict[str, dict[str, float]]]:
+    """Leave-one-family-out predictions of every usable row, and each fold's terms."""
+    cases = list(cases if cases is not None else usable_cases())
+    out: list[Prediction] = []
+    folds: dict[str, dict[str, float]] = {}
+    for held in sorted({family(c) for c in cases}):
+        values = fit([c for c in cases if family(c) != held], rounds)
+        folds[held] = values
+        for case in (c for c in cases if family(c) == held):
+            assert case.ttft_ms is not None and case.tpot_ms is not None
+            efficiency = efficiency_for(values, case.engine)
+            if case.kind == "steady":
+                ttft, tpot = predict_steady(case, efficiency)
+                band = BANDS[0]
+            else:
+                ttft, tpot = predict_burst(case, efficiency)
+                band = BANDS[1]
+            for quantity, predicted, measured in (("ttft", ttft, case.ttft_ms),
+                                                  ("tpot", tpot, case.tpot_ms)):
+                out.append(Prediction(case.ref, case.model, held, case.engine, band,
+                                      quantity, predicted * 1e3, measured))
+    return out, folds
+
+
+def median_ape(predictions: Sequence[Prediction], **where: str) -> tuple[int, float, float]:
+    """(rows, median APE, p90 APE) of the predictions matching `where`."""
+    errors = sorted(p.ape for p in predictions
+                    if all(getattr(p, key) == value for key, value in where.items()))
+    if not errors:
+        return 0, math.nan, math.nan
+    p90 = errors[min(len(errors) - 1, math.ceil(0.9 * len(errors)) - 1)]
+    return len(errors), statistics.median(errors), p90
+
+
+def summary(predictions: Sequence[Prediction]) -> list[dict[str, Any]]:
+    """Out-of-fold errors per engine (and all) and concurrency band."""
+    out = []
+    for engine in ("all", *ENGINES):
+        for band in BANDS:
+            where = {"band": band} if engine == "all" else {"band": band, "engine": engine}
+            entry: dict[str, Any] = {"engine": engine, "band": band}
+            for quantity in ("ttft", "tpot"):
+                rows, median, p90 = median_ape(predictions, quantity=quantity, **where)
+                entry[quantity] = {"rows": rows, "median_ape": median, "p90_ape": p90}
+            if entry["ttft"]["rows"]:
+                out.append(entry)
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", type=Path, metavar="OUT", help="write the results here")
+    parser.add_argument("--rounds", type=int, default=5, help="coordinate-search rounds")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    predictions, folds = cross_validate(rounds=args.rounds)
+    table = summary(predictions)
+    print("Out-of-fold absolute percentage error (leave one model family out)")
+    print(render([[e["engine"], e["band"], str(e["ttft"]["rows"]),
+                   f"{e['ttft']['median_ape']:.1%}", f"{e['ttft']['p90_ape']:.1%}",
+                   f"{e['tpot']['median_ape']:.1%}", f"{e['tpot']['p90_ape']:.1%}"]
+                  for e in table],
+                 ["engine", "band", "rows", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90"]))
+    print("\nFitted terms per held-out family")
+    names = list(NEUTRAL_START)
+    print(render([[held, *(f"{values[n]:.3g}" for n in names)] for held, values in folds.items()],
+                 ["held out", *names]))
+    if args.json:
+        from bench.common import provenance, write_json
+        record = provenance("bench/model_cv.py" + (f" --rounds {args.rounds}"
+                                                   if args.rounds != 5 else ""))
+        record.update({
+            "method": "leave one model family out; fit on the other families' steady rows "
+                      "from a fixed prior; burst rows predicted by the engine simulator",
+            "families": FAMILIES, "prior": NEUTRAL_START, "folds": folds,
+            "summary": table, "rows": [vars(p) | {"ape": p.ape} for p in predictions],
+            "seconds": round(time.perf_counter() - started, 1),
+        })
+        write_json(args.json, record)
+        print(f"\nwrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
