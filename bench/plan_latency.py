@@ -3,8 +3,9 @@
 One command: `python bench/plan_latency.py [--runs 20] [--out FILE]`
 
 Runs the command as a fresh process each time (interpreter start-up and imports
-included) for a dense model on a GPU and for a hybrid MoE with a logged budget, and
-reports the median and worst wall time.
+included) for a dense model on a GPU (with an arrival rate; and with TTFT/TPOT targets,
+which the engine simulator answers by bisection) and for a hybrid MoE with a logged
+budget, and reports the median and worst wall time.
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ from bench.common import provenance, write_json  # noqa: E402
 
 CASES = {
     "dense, GPU": ["--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--arrival-rate", "4"],
+    # The simulator's bisection for --max-num-seqs under both targets, and replicas.
+    "dense, GPU, targets": ["--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--concurrency", "16",
+                            "--prompt-tokens", "2000", "--output-tokens", "500",
+                            "--arrival-rate", "20", "--tpot-slo-ms", "30",
+                            "--ttft-slo-ms", "500"],
     "hybrid MoE, logged budget": ["--model", "openai/gpt-oss-120b", "--available-kv-gib",
                                   "36.5", "--max-model-len", "131072"],
 }

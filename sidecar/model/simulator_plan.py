@@ -30,8 +30,8 @@ from sidecar.model.simulator import simulate
 from sidecar.model.simulator_engine import EngineConfig
 from sidecar.model.simulator_workload import ClosedLoop, Lengths, OpenLoop, Workload
 
-MIN_REQUESTS = 24
-REQUESTS_PER_CLIENT = 4
+MIN_REQUESTS = 16
+REQUESTS_PER_CLIENT = 3
 OPEN_LOOP_REQUESTS = 200
 MAX_EXTRA_REPLICAS = 16  # replicas tried past the throughput bound
 
