@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from sidecar.admission import FINAL_OUTCOMES, SHADOW_OUTCOMES, Decision
+from sidecar.admission.server_queue import REASONS as SERVER_LIMITS
 
 LATENCY_BUCKETS_S = (
     0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0,
@@ -125,17 +126,50 @@ class SidecarMetrics:
         )
         for quantity in QUANTITIES:
             self.prediction_error.labels(quantity)
+        self.p90_covered = Counter(
+            "kvgate_prediction_p90_covered",
+            "Completed requests whose observed value was at or below kvgate's p90 prediction, "
+            "per quantity; over kvgate_prediction_error_ratio_count: the p90's coverage "
+            "(0.9 when calibrated).",
+            ["quantity"], registry=registry,
+        )
+        for quantity in QUANTITIES:
+            self.p90_covered.labels(quantity)
         self.tokenize_fallback = Counter(
             "kvgate_tokenize_fallback",
             "Prompts counted by the fallback estimate because the server's /tokenize failed.",
             registry=registry,
         )
+        self.prompt_tokens_counted = Counter(
+            "kvgate_prompt_tokens_counted",
+            "Prompts counted, by who counted them: local (the model's tokenizer in kvgate), "
+            "server (its /tokenize) or estimate (the fallback when neither could).",
+            ["source"], registry=registry,
+        )
+        for source in ("local", "server", "estimate"):
+            self.prompt_tokens_counted.labels(source)
+        self.tokenizer_checks = Counter(
+            "kvgate_tokenizer_checks",
+            "Local token ids compared with the server's /tokenize: match, mismatch (that "
+            "request shape is counted by the server from then on) or failed (no answer).",
+            ["result"], registry=registry,
+        )
+        for result in ("match", "mismatch", "failed"):
+            self.tokenizer_checks.labels(result)
         self.upstream_errors = Counter(
             "kvgate_upstream_errors", "Proxied requests that failed upstream, by kind.",
             ["kind"], registry=registry,
         )
         for kind in ("connect", "timeout", "disconnect", "status"):
             self.upstream_errors.labels(kind)
+        self.upstream_refusals = Counter(
+            "kvgate_upstream_refusals",
+            "Requests kvgate forwarded that the server's own admission refused (vLLM's "
+            "--max-num-queued-reqs / --max-num-queued-tokens 503), by vLLM's reason.",
+            ["reason"], registry=registry,
+        )
+        for reason in SERVER_LIMITS:
+            self.upstream_refusals.labels(reason)
         self.info = Gauge(
             "kvgate_info", "Constant 1, labelled with the sidecar's version, model and mode.",
             ["version", "model", "mode"], registry=registry,
@@ -164,11 +198,14 @@ class SidecarMetrics:
         self.predicted_ttft.observe(ttft_s)
         self.predicted_tpot.observe(tpot_s)
 
-    def observed(self, quantity: str, observed_s: float, predicted_s: float) -> None:
+    def observed(self, quantity: str, observed_s: float, predicted_s: float,
+                 predicted_p90_s: float | None = None) -> None:
         histogram = self.observed_ttft if quantity == "ttft" else self.observed_tpot
         histogram.observe(observed_s)
         if predicted_s > 0:
             self.prediction_error.labels(quantity).observe(observed_s / predicted_s)
+            if predicted_p90_s is not None and observed_s <= predicted_p90_s:
+                self.p90_covered.labels(quantity).inc()
 
 
 class _StateCollector(Collector):

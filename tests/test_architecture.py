@@ -1,7 +1,7 @@
 """The architecture stays visible: imports flow one way, the pure parts stay pure,
 and the public surfaces are pinned.
 
-    cli -> server -> {admission, upstream, calibration, metrics} -> model
+    cli -> server -> {admission, upstream, calibration, metrics, tokens} -> model
 """
 
 from __future__ import annotations
@@ -20,10 +20,11 @@ ALLOWED = {
     "model": set(),
     "admission": {"model"},
     "upstream": set(),
+    "tokens": set(),
     "calibration": {"model", "upstream"},
     "metrics": {"admission", "model"},
-    "server": {"admission", "upstream", "calibration", "metrics", "model"},
-    "cli": {"server", "model", "admission", "upstream", "calibration", "metrics"},
+    "server": {"admission", "upstream", "calibration", "metrics", "model", "tokens"},
+    "cli": {"server", "model", "admission", "upstream", "calibration", "metrics", "tokens"},
     "": {"cli"},  # sidecar/__init__.py, sidecar/__main__.py
 }
 # Third-party or standard modules a part must not use.
@@ -34,6 +35,9 @@ FORBIDDEN = {
     "admission": {"aiohttp", "prometheus_client", "torch", "vllm"},
     "upstream": {"prometheus_client.registry", "torch", "vllm"},
     "calibration": {"aiohttp", "prometheus_client", "torch", "vllm"},
+    # Local token counting: files in, token ids out.
+    "tokens": {"asyncio", "aiohttp", "prometheus_client", "torch", "vllm", "transformers",
+               "huggingface_hub", "socket", "urllib.request"},
 }
 
 
@@ -103,7 +107,7 @@ def test_public_surfaces_are_pinned() -> None:
         "FINAL_OUTCOMES", "REJECTIONS", "SHADOW_OUTCOMES", "AdmissionController",
         "AdmissionRequest", "AdmissionSettings", "CostModel", "Decision", "DecisionListener",
         "Forecast", "Ledger", "Mode", "Outcome", "QueueLimits", "Rejected", "RequestCost",
-        "Reservation", "ServerState", "Ticket",
+        "Reservation", "ServerQueueLimits", "ServerState", "Ticket",
     }
     for module in (sidecar.model, sidecar.admission):
         for name in module.__all__:

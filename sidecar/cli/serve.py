@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, get_args
 
 from sidecar.cli.args import Parser
@@ -20,6 +20,7 @@ from sidecar.server.settings import (
     flag_name,
     load_settings,
 )
+from sidecar.tokens import TokenizerFilesError
 
 DESCRIPTION = """\
 Run kvgate in front of one vLLM server. Generation requests (/v1/chat/completions,
@@ -77,6 +78,20 @@ def _choices(annotation: Any) -> tuple[Any, ...]:
     return tuple(values)
 
 
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop for "uvloop" (and "auto" when it is installed), else asyncio's."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop  # noqa: PLC0415  (not on Windows; only serve needs it)
+    except ImportError:
+        if choice == "uvloop":
+            raise SystemExit("kvgate serve: error: --event-loop uvloop: uvloop is not "
+                             "installed (pip install uvloop)") from None
+        return None
+    return uvloop.new_event_loop
+
+
 def run(argv: Sequence[str], prog: str = "kvgate serve") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
@@ -89,8 +104,9 @@ def run(argv: Sequence[str], prog: str = "kvgate serve") -> int:
         return 2
     configure_logging(settings.log_level)
     try:
-        return asyncio.run(serve(settings))
-    except (ModelError, AccessLogError) as exc:
+        with asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner:
+            return runner.run(serve(settings))
+    except (ModelError, AccessLogError, TokenizerFilesError) as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")
         return 2
     except OSError as exc:

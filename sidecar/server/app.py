@@ -22,6 +22,7 @@ from sidecar.server.keys import SERVICES, SESSION
 from sidecar.server.requests import ROUTES
 from sidecar.server.services import Services, resolve_gpu
 from sidecar.server.settings import ServeSettings
+from sidecar.tokens import find_files
 from sidecar.upstream import UpstreamClient, UpstreamWatcher
 
 log = logging.getLogger("kvgate")
@@ -53,6 +54,8 @@ def build_services(settings: ServeSettings, registry: CollectorRegistry) -> Serv
     arch: ModelArchitecture | None = None
     if settings.model:
         arch = read_architecture(settings.model)
+    if settings.tokenizer:
+        find_files(settings.tokenizer)  # fails fast: TokenizerFilesError names the problem
     return Services(settings, registry, arch=arch, gpu=resolve_gpu(settings),
                     version=__version__)
 
@@ -97,11 +100,13 @@ async def _upstream_context(app: web.Application) -> AsyncIterator[None]:
         watcher = UpstreamWatcher(client, interval_s=settings.metrics_interval_s,
                                   on_update=services.on_upstream)
         services.attach(client, watcher)
+        services.start_tokenizer()
         await services.start_kv_events()
         task = asyncio.create_task(watcher.run(), name="kvgate-upstream-watcher")
         app[WATCHER_TASK] = task
         yield
         await services.stop_kv_events()
+        await services.prompts.aclose()
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task

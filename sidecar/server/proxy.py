@@ -31,13 +31,12 @@ from sidecar.server.prefix_keys import prompt_keys
 from sidecar.server.requests import (
     BadRequest,
     GenerationRequest,
-    estimate_tokens,
     parse_body,
     parse_generation,
 )
 from sidecar.server.services import Services
 from sidecar.server.token_stream import EventAligner, TokenCounter
-from sidecar.upstream import UpstreamError
+from sidecar.upstream.refusals import RefusalWatch
 
 log = logging.getLogger("kvgate.proxy")
 
@@ -137,8 +136,8 @@ async def _generation(request: web.Request, services: Services) -> web.StreamRes
         return _unavailable(f"not ready to admit requests: {reason}")
     if services.settings.log_prompts:
         log.info("prompt %s: %s", request.path, body)
-    prompt_tokens, token_ids = await _count_prompt(services, gen,
-                                                   access_log.REQUEST_ID.get())
+    prompt_tokens, token_ids = await services.prompts.count(gen, services.client,
+                                                            access_log.REQUEST_ID.get())
     services.refresh()
     admission = AdmissionRequest(
         block_keys=prompt_keys(controller, body, gen, token_ids,
@@ -159,36 +158,6 @@ async def _generation(request: web.Request, services: Services) -> web.StreamRes
     ticket.predicted_ttft_s = (time.monotonic() - arrived_at) + ticket.cost.prefill_s
     services.metrics.predicted(ticket.predicted_ttft_s, ticket.predicted_tpot_s)
     return await forward(request, raw, services, ticket=ticket, gen=gen, arrived_at=arrived_at)
-
-
-async def _count_prompt(services: Services, gen: GenerationRequest,
-                        request_id: str | None = None) -> tuple[int, tuple[int, ...] | None]:
-    """The prompt's token count (the longest of a batch), from the server's /tokenize,
-    and the token ids of a single prompt when the server returned them."""
-    counts = list(gen.token_counts)
-    token_ids: tuple[int, ...] | None = gen.token_ids
-    client = services.client
-    try:
-        if client is None:
-            raise UpstreamError("connect", "no upstream client")
-        for payload in gen.tokenize_payloads:
-            tokenized = await client.tokenize(payload, request_id)
-            counts.append(tokenized.count)
-            token_ids = tokenized.token_ids
-    except UpstreamError as exc:
-        token_ids = None
-        services.metrics.tokenize_fallback.inc()
-        # The server's error text may quote the prompt: logged only with --log-prompts.
-        log.debug("tokenize failed (%s); estimating", exc if services.settings.log_prompts
-                  else f"{exc.kind} error")
-        texts = gen.estimate_text or ("",)
-        if gen.route == "completions":
-            counts += [estimate_tokens([text], 0) for text in texts]
-        else:
-            counts.append(estimate_tokens(texts, gen.message_count))
-    if gen.prompts != 1:
-        token_ids = None
-    return (max(counts) if counts else 1), token_ids
 
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
@@ -250,6 +219,7 @@ async def forward(
             record.end = access_log.END_DRAIN
             return _draining(services)  # no answer yet at the end of the drain
         record.upstream_status = upstream.status
+        refusal = RefusalWatch(upstream.status)
         try:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             response.headers.update(_forward_headers(upstream.headers, HOP_BY_HOP))
@@ -273,6 +243,7 @@ async def forward(
             await response.prepare(request)
             try:
                 async for chunk in upstream.content.iter_any():
+                    refusal.feed(chunk)
                     if ticket is not None and counter.feed(chunk):
                         if first_at is None:
                             first_at = time.monotonic()
@@ -313,9 +284,12 @@ async def forward(
             if events is not None and (rest := events.flush()):
                 await response.write(rest)
             await response.write_eof()
-            completed = upstream.status < 400
+            refused = refusal.reason()
+            completed = upstream.status < 400 and refused is None
             if upstream.status >= 500:
                 services.metrics.upstream_errors.labels("status").inc()
+            if refused is not None:
+                services.server_refused(refused)
             return response
         finally:
             upstream.close()

@@ -185,7 +185,8 @@ def _chat(body: Mapping[str, Any], model: str | None, user: str | None,
         max_tokens = _positive_int(body, "max_tokens")
     payload: dict[str, Any] = {"messages": messages, "add_generation_prompt": True}
     for passthrough in ("tools", "chat_template", "chat_template_kwargs",
-                        "add_generation_prompt", "continue_final_message"):
+                        "add_generation_prompt", "continue_final_message",
+                        "add_special_tokens"):
         if passthrough in body:
             payload[passthrough] = body[passthrough]
     if model is not None:
@@ -223,7 +224,10 @@ def _completions(body: Mapping[str, Any], model: str | None, user: str | None,
         max_tokens = None
     else:
         max_tokens = _positive_int(body, "max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS
-    payloads = tuple({"prompt": t, **({"model": model} if model else {})} for t in texts)
+    extra: dict[str, Any] = {"model": model} if model else {}
+    if isinstance(body.get("add_special_tokens"), bool):
+        extra["add_special_tokens"] = body["add_special_tokens"]
+    payloads = tuple({"prompt": t, **extra} for t in texts)
     return GenerationRequest(
         route="completions", model=model, stream=stream, max_tokens=max_tokens,
         sequences=_sequences(body), prompts=len(texts) + len(counts), user=user,

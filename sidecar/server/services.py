@@ -26,10 +26,13 @@ from sidecar.admission import (
     CostModel,
     Mode,
     QueueLimits,
+    ServerQueueLimits,
     ServerState,
     Ticket,
 )
+from sidecar.admission.cost import LatencySpread
 from sidecar.admission.prefix import EventCache
+from sidecar.admission.server_queue import MAX_REQUESTS
 from sidecar.calibration import CalibrationStore, Calibrator
 from sidecar.metrics import PrefixView, SidecarMetrics, StateView
 from sidecar.model import (
@@ -44,6 +47,7 @@ from sidecar.model import (
 )
 from sidecar.model.gpu import with_overrides
 from sidecar.model.served import KV_CACHE_DTYPES
+from sidecar.server.prompt_tokens import PromptCounter
 from sidecar.server.settings import ServeSettings
 from sidecar.upstream import (
     CacheConfig,
@@ -140,14 +144,29 @@ class Services:
         self.client: UpstreamClient | None = None
         self.watcher: UpstreamWatcher | None = None
         self.draining = False
+        self._refusals_logged: set[str] = set()
         self.active_requests = 0
         self.idle = asyncio.Event()
         self.idle.set()
         self._typical_tokens: float | None = None
         self._calibration_applied_at = -math.inf
+        self._health_logged: set[str] = set()
         self.kv_events: KVEventSubscriber | None = None
         self.event_cache: EventCache | None = None
         self._events_started_s = self.clock()
+        self.prompts = PromptCounter(self.metrics, check_every=settings.tokenizer_check_every,
+                                     log_prompts=settings.log_prompts)
+
+    # ---- the model's tokenizer --------------------------------------------------------
+
+    def start_tokenizer(self) -> None:
+        """Count prompts locally when the tokenizer files are readable: --tokenizer, else
+        the directory of --model-config (the server's path from /v1/models is tried when
+        it is learned)."""
+        for candidate in (self.settings.tokenizer, self.settings.model):
+            if candidate and Path(candidate).expanduser().exists():
+                self.prompts.load_from(candidate)
+                return
 
     # ---- the server's KV cache events ---------------------------------------------
 
@@ -222,6 +241,21 @@ class Services:
 
     # ---- wiring -----------------------------------------------------------------
 
+    def server_refused(self, reason: str) -> None:
+        """The server's own admission refused a request kvgate forwarded (a 503 of vLLM's
+        --max-num-queued-reqs / --max-num-queued-tokens): counted apart from kvgate's
+        decisions; said once in the log when kvgate was not told the limit."""
+        self.metrics.upstream_refusals.labels(reason).inc()
+        limits = self.admission_settings().server_limits
+        told = (limits.max_requests if reason == MAX_REQUESTS
+                else limits.max_prefill_tokens) is not None
+        if not told and reason not in self._refusals_logged:
+            self._refusals_logged.add(reason)
+            flag = "--" + reason.replace("_", "-")
+            log.warning("the server refused a request with its own %s limit (503); give "
+                        "kvgate the server's %s so that it keeps its requests within it",
+                        flag, flag)
+
     @contextlib.contextmanager
     def tracking_request(self) -> Iterator[None]:
         """Count a proxied request while it runs (the drain waits for zero)."""
@@ -251,6 +285,7 @@ class Services:
             output_policy=s.output_policy,
             output_quantile=s.output_quantile,
             max_overcommit_ratio=s.max_overcommit_ratio,
+            server_limits=ServerQueueLimits(s.max_num_queued_reqs, s.max_num_queued_tokens),
         )
 
     # ---- learning the server ---------------------------------------------------------
@@ -260,6 +295,10 @@ class Services:
             learned = self._learned(after.model, after)
             if learned is not None and learned != self.learned:
                 self._rebuild(learned)
+            root = after.model.root
+            if (self.prompts.directory is None and not self.settings.tokenizer
+                    and root and Path(root).is_dir()):
+                self.prompts.load_from(root)
         if self.controller is not None:
             self.controller.sharing.set_enabled(self._prefix_caching(after))
             self._update_prefix_source()
@@ -267,6 +306,8 @@ class Services:
         if self.calibrator is not None and self.served is not None:
             if after.restarts > before.restarts:
                 self.calibrator.server_restarted()
+                if self.controller is not None:
+                    self.controller.cost_model.spread = self._spread()
             running = after.metrics.running if after.metrics and after.metrics.running else 1
             slowdown = (self.controller.prefill_load.slowdown(self.clock(), running - 1)
                         if self.controller else 1.0)
@@ -367,7 +408,7 @@ class Services:
         self.learned = learned
         self.served = served
         self.model_problem = None
-        cost_model = CostModel(served)
+        cost_model = self._cost_model(served)
         if self.controller is None:
             self.controller = AdmissionController(
                 cost_model, self.admission_settings(), listener=self.metrics
@@ -394,7 +435,33 @@ class Services:
         )
         if moved:
             self.served = self.served.with_efficiency(efficiency)
-            self.controller.set_cost_model(CostModel(self.served))
+            self.controller.set_cost_model(self._cost_model(self.served))
+            self._log_health()
+
+    def _cost_model(self, served: ServedModel) -> CostModel:
+        return CostModel(served, self._spread(), self.settings.deadline_quantile)
+
+    def _spread(self) -> LatencySpread:
+        """The p50 and p90 factors calibration measured (the priors without it)."""
+        if self.calibrator is None:
+            return LatencySpread()
+        ttft, tpot = (self.calibrator.spread.factors(q) for q in ("ttft", "tpot"))
+        return LatencySpread(ttft.p50, ttft.p90, tpot.p50, tpot.p90)
+
+    def calibration_status(self) -> dict[str, object] | None:
+        if self.calibrator is None or self.served is None:
+            return None
+        return self.calibrator.status(self.served, device_named=self.gpu is not None)
+
+    def _log_health(self) -> None:
+        """Say once in the log what the calibration finds implausible about the server."""
+        status = self.calibration_status()
+        checked = status.get("health") if status else None
+        warnings = checked.get("warnings", []) if isinstance(checked, dict) else []
+        for warning in warnings:
+            if warning.split(":")[0] not in self._health_logged:
+                self._health_logged.add(warning.split(":")[0])
+                log.warning("calibration: %s", warning)
 
     def _server_state(self, view: UpstreamView) -> ServerState:
         fresh = view.metrics_age_s(self.clock()) <= self.settings.metrics_stale_s
@@ -449,13 +516,24 @@ class Services:
         self._observe_request_size(ticket.request.prompt_tokens + output_tokens)
         if not streamed or first_token_at is None:
             return
-        self.metrics.observed("ttft", first_token_at - arrived_at, ticket.predicted_ttft_s)
+        cost = ticket.cost
+        # What was known at admission (counting the prompt, the queue wait) and the
+        # predicted prefill after it: the p90 keeps the known part.
+        known_s = ticket.predicted_ttft_s - cost.prefill_s
+        ttft = first_token_at - arrived_at
+        self.metrics.observed("ttft", ttft, ticket.predicted_ttft_s, known_s + cost.prefill_p90_s)
         tpot = (ended_at - first_token_at) / (output_tokens - 1) if output_tokens >= 2 else None
         if tpot is not None:
-            self.metrics.observed("tpot", tpot, ticket.predicted_tpot_s)
+            self.metrics.observed("tpot", tpot, ticket.predicted_tpot_s, cost.tpot_p90_s)
         calibrator, served = self.calibrator, self.served
         if calibrator is None or served is None:
             return
+        # The spread of observed around the model's own prediction, as clients see it.
+        calibrator.spread.observe("ttft", ttft - known_s, cost.prefill_model_s)
+        if tpot is not None:
+            calibrator.spread.observe("tpot", tpot, cost.tpot_model_s)
+        if self.controller is not None:
+            self.controller.cost_model.spread = self._spread()
         # Deflate by the others' prefill load: the lines fit the engine's own speed.
         load = self.controller.prefill_load if self.controller else None
         now_running = self.controller.inflight if self.controller else 0

@@ -73,6 +73,13 @@ class ServeSettings(BaseModel):
     max_num_batched_tokens: int | None = Field(
         None, ge=1, description="the server's --max-num-batched-tokens: the prefill chunk, "
         "which sets a sliding-window request's prefill peak")
+    max_num_queued_reqs: int | None = Field(
+        None, ge=0, description="the server's --max-num-queued-reqs (vLLM 0.29 and later): "
+        "kvgate keeps the requests it forwards within it, so the server never refuses one")
+    max_num_queued_tokens: int | None = Field(
+        None, ge=0, description="the server's --max-num-queued-tokens (vLLM 0.29 and later): "
+        "kvgate forwards no request while the prompts it sent that are still in prefill "
+        "hold this many tokens")
     metrics_interval_s: float = Field(1.0, gt=0, le=60,
                                       description="how often to scrape the server's /metrics")
     metrics_stale_s: float = Field(10.0, gt=0, description="age after which server metrics "
@@ -105,6 +112,18 @@ class ServeSettings(BaseModel):
         "auto", description="whether the server shares prompt blocks between requests with a "
         "common prefix (vLLM's --enable-prefix-caching); auto: as its cache_config_info says, "
         "on when it does not say (vLLM's default)")
+    tokenizer: str | None = Field(
+        None, description="the served model's tokenizer files (a directory with "
+        "tokenizer.json, tokenizer_config.json and the chat template): prompts are counted "
+        "locally and checked against the server's /tokenize; default: the model directory "
+        "(--model-config, or the path /v1/models reports) when it holds them")
+    tokenizer_check_every: int = Field(
+        100, ge=0, le=1_000_000, description="after the first requests of each shape "
+        "(checked against the server's /tokenize, whose answer they use), compare one "
+        "local count in this many with the server's, in the background; 0: never")
+    event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
+        "auto", description="the event loop: uvloop (what vLLM runs on) or asyncio's own; "
+        "auto: uvloop when installed")
     connect_timeout_s: float = Field(5.0, gt=0, description="upstream connect timeout")
     read_timeout_s: float = Field(600.0, gt=0,
                                   description="longest silence while reading an upstream response")
@@ -118,6 +137,10 @@ class ServeSettings(BaseModel):
     calibrate: bool = Field(True, description="fit efficiency factors to the live server")
     calibration_file: str | None = Field(
         None, description="where to keep the calibration across restarts (safe to lose)")
+    deadline_quantile: Literal["p50", "p90"] = Field(
+        "p50", description="the predicted time to first token that requests' TTFT targets "
+        "(x-kvgate-ttft-slo-ms) are judged on: the median (p50), or the 90th percentile "
+        "(p90: refuse or stop queueing what would miss its target one time in ten)")
     log_prompts: bool = Field(False, description="log prompts (never logged otherwise)")
     access_log: str = Field(
         "stdout", min_length=1, description="one line per proxied request, at its end: off, "

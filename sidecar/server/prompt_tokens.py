@@ -1,0 +1,197 @@
+"""Who counts a request's prompt tokens: kvgate's local tokenizer, the server's
+/tokenize, or the fallback estimate.
+
+With the model's tokenizer files readable (`--tokenizer`, else the model directory),
+prompts are counted locally, which saves every admitted request a round trip to the
+server. The local ids must be the server's (prefix-aware admission hashes them), so the
+`Verification` policy compares them with the server's /tokenize: the first requests of
+each shape synchronously (the server's answer is used), then one in
+`--tokenizer-check-every` in the background; a mismatch sends that shape to the server
+from then on. Without the files, every prompt goes to /tokenize as before; when that
+fails too, the documented estimate (`estimate_tokens`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from sidecar.metrics import SidecarMetrics
+from sidecar.server.requests import GenerationRequest, estimate_tokens
+from sidecar.tokens import (
+    CannotRender,
+    LocalTokenizer,
+    Plan,
+    TokenizerFilesError,
+    Verification,
+    shape_of,
+)
+from sidecar.upstream import UpstreamClient, UpstreamError
+
+log = logging.getLogger("kvgate.tokens")
+
+# Prompts larger than this many characters are tokenized on a worker thread.
+INLINE_CHARS = 16_384
+MAX_BACKGROUND_CHECKS = 64
+LOAD_WAIT_S = 5.0
+
+
+def _payload_chars(payload: Mapping[str, Any]) -> int:
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str):
+        return len(prompt)
+    total = 0
+    for message in payload.get("messages") or ():
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(str(part)) for part in content)
+    return total + len(str(payload.get("tools") or ""))
+
+
+class PromptCounter:
+    def __init__(self, metrics: SidecarMetrics, *, check_every: int = 100,
+                 first_checks: int = 3, log_prompts: bool = False) -> None:
+        self.metrics = metrics
+        self.verification = Verification(first_checks=first_checks, every=check_every)
+        self.tokenizer: LocalTokenizer | None = None
+        self.directory: Path | None = None
+        self.problem: str | None = "no tokenizer files found yet"
+        self.log_prompts = log_prompts
+        self._loading: asyncio.Task[None] | None = None
+        self._checks: set[asyncio.Task[None]] = set()
+
+    # ---- the tokenizer files ----------------------------------------------------------
+
+    def load_from(self, directory: str | Path) -> None:
+        """Load the tokenizer from `directory` in the background (once per directory)."""
+        path = Path(directory).expanduser()
+        if path.is_file():
+            path = path.parent
+        if path == self.directory or not (path / "tokenizer.json").is_file():
+            return
+        self.directory = path
+        if self._loading is not None:
+            self._loading.cancel()
+        self._loading = asyncio.get_running_loop().create_task(
+            self._load(path), name="kvgate-tokenizer-load")
+
+    async def _load(self, path: Path) -> None:
+        try:
+            tokenizer = await asyncio.to_thread(LocalTokenizer.load, path)
+        except TokenizerFilesError as exc:
+            self.problem = str(exc)
+            log.warning("prompts are counted by the server's /tokenize: %s", exc)
+            return
+        self.tokenizer, self.problem = tokenizer, None
+        log.info("counting prompt tokens locally with the tokenizer in %s (checked against "
+                 "the server's /tokenize)", path)
+
+    async def aclose(self) -> None:
+        tasks = [t for t in (self._loading, *self._checks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+
+    # ---- counting ---------------------------------------------------------------------
+
+    async def count(self, gen: GenerationRequest, client: UpstreamClient | None,
+                    request_id: str | None = None) -> tuple[int, tuple[int, ...] | None]:
+        """The prompt's token count (the longest of a batch), and the token ids of a
+        single prompt when known."""
+        counts = list(gen.token_counts)
+        token_ids: tuple[int, ...] | None = gen.token_ids
+        try:
+            for payload in gen.tokenize_payloads:
+                count, token_ids = await self._tokens(payload, client, request_id)
+                counts.append(count)
+        except UpstreamError as exc:
+            token_ids = None
+            self.metrics.tokenize_fallback.inc()
+            self.metrics.prompt_tokens_counted.labels("estimate").inc()
+            # The server's error text may quote the prompt: logged only with --log-prompts.
+            log.debug("tokenize failed (%s); estimating",
+                      exc if self.log_prompts else f"{exc.kind} error")
+            texts = gen.estimate_text or ("",)
+            counts = list(gen.token_counts)
+            if gen.route == "completions":
+                counts += [estimate_tokens([text], 0) for text in texts]
+            else:
+                counts.append(estimate_tokens(texts, gen.message_count))
+        if gen.prompts != 1:
+            token_ids = None
+        return (max(counts) if counts else 1), token_ids
+
+    async def _tokens(self, payload: Mapping[str, Any], client: UpstreamClient | None,
+                      request_id: str | None) -> tuple[int, tuple[int, ...] | None]:
+        if self.tokenizer is None and self._loading is not None and not self._loading.done():
+            # Being read (milliseconds): wait for it rather than count by the server.
+            await asyncio.wait({self._loading}, timeout=LOAD_WAIT_S)
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return await self._server(payload, client, request_id)
+        shape = shape_of(payload)
+        plan = self.verification.plan(shape)
+        if plan is Plan.SERVER:
+            return await self._server(payload, client, request_id)
+        try:
+            local = await self._local(tokenizer, payload)
+        except CannotRender as exc:
+            log.debug("counted by the server: %s", exc)
+            return await self._server(payload, client, request_id)
+        if plan is Plan.CHECK_NOW:
+            served = await self._server(payload, client, request_id)
+            self._compare(shape, local, served[1])
+            return served
+        if plan is Plan.CHECK_LATER and len(self._checks) < MAX_BACKGROUND_CHECKS \
+                and client is not None:
+            task = asyncio.get_running_loop().create_task(
+                self._check_later(shape, payload, local, client, request_id))
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
+        self.metrics.prompt_tokens_counted.labels("local").inc()
+        return len(local), local
+
+    async def _local(self, tokenizer: LocalTokenizer,
+                     payload: Mapping[str, Any]) -> tuple[int, ...]:
+        if _payload_chars(payload) > INLINE_CHARS:
+            return await asyncio.to_thread(tokenizer.tokenize, payload)
+        return tokenizer.tokenize(payload)
+
+    async def _server(self, payload: Mapping[str, Any], client: UpstreamClient | None,
+                      request_id: str | None) -> tuple[int, tuple[int, ...] | None]:
+        if client is None:
+            raise UpstreamError("connect", "no upstream client")
+        tokenized = await client.tokenize(payload, request_id)
+        self.metrics.prompt_tokens_counted.labels("server").inc()
+        return tokenized.count, tokenized.token_ids
+
+    def _compare(self, shape: str, local: tuple[int, ...],
+                 served: tuple[int, ...] | None) -> None:
+        if served is None:
+            self.metrics.tokenizer_checks.labels("failed").inc()
+            return
+        matched = local == served
+        self.verification.record(shape, matched)
+        self.metrics.tokenizer_checks.labels("match" if matched else "mismatch").inc()
+        if not matched:
+            log.warning("the local tokenizer gave %d tokens where the server's /tokenize gave "
+                        "%d for a request shape: the server counts that shape from now on",
+                        len(local), len(served))
+
+    async def _check_later(self, shape: str, payload: Mapping[str, Any],
+                           local: tuple[int, ...], client: UpstreamClient,
+                           request_id: str | None) -> None:
+        try:
+            tokenized = await client.tokenize(payload, request_id)
+        except UpstreamError:
+            self.metrics.tokenizer_checks.labels("failed").inc()
+            return
+        self._compare(shape, local, tokenized.token_ids)
