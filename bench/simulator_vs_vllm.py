@@ -1,0 +1,472 @@
+#!/usr/bin/env python3
+"""The engine simulator against a real vLLM CPU server, on the same workloads.
+
+    flock /tmp/kvgate-heavy.lock python bench/simulator_vs_vllm.py \\
+        [--smoke] [--out bench/results/simulator_vs_vllm.json]
+
+1. Calibration, on a separate warm-up: a real vLLM CPU server (`small-llama`, the
+   CPU's rough figures as a custom device) is sent mixed-length streamed requests in
+   closed loops of 1, 2, 4 and 8 clients (after 10 requests not kept); the engine's
+   costs (per step, per sequence in a step, per request, and the prefill's share of
+   peak FLOP/s) are fitted so that the simulator, replaying those requests, gives their
+   median TTFT and TPOT (`fit_efficiency`: physics terms, four numbers for the server,
+   none per workload).
+2. Measurement, straight to vLLM: closed loops at c = 1, 2, 4, 8, 16, 32 with fixed and
+   with mixed lengths, an open-loop burst (all requests at once) and a Poisson open
+   loop. Every prompt starts with a unique head (no prefix-cache hits); the client
+   records each request's send time, first token, last token and prompt tokens (usage).
+3. Prediction of the same requests: the simulator replays them (each closed-loop
+   client's own requests in its order; the open loops' measured send times) on the
+   server's settings (max_num_seqs, token budget, KV blocks); the old closed form
+   (`steady_latency`: one prefill beside c - 1 decodes) is priced with the same
+   efficiencies.
+
+Reported per workload: TTFT and TPOT p50/p90 measured, simulated, closed form, and
+the errors; vLLM's preemptions (`vllm:num_preemptions_total`) beside the simulator's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import statistics
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parent.parent
+for _extra in (ROOT, ROOT / "tests"):
+    if str(_extra) not in sys.path:
+        sys.path.insert(0, str(_extra))
+
+from sidecar.cli.plan import build_parser  # noqa: E402
+from sidecar.cli.served_args import served_model_from_args  # noqa: E402
+from sidecar.model import ServedModel  # noqa: E402
+from sidecar.model.latency import Efficiency  # noqa: E402
+from sidecar.model.planning import steady_latency  # noqa: E402
+from sidecar.model.simulator import EngineConfig, SimRequest, Trace, simulate  # noqa: E402
+from sidecar.model.simulator_results import percentile  # noqa: E402
+
+from bench.common import provenance, write_json  # noqa: E402
+
+# The CPU's rough figures as a custom device (as tests/support/sidecar.py gives kvgate).
+CPU_DEVICE = ("--gpu-memory-gib", "24", "--gpu-bandwidth-gbps", "20", "--gpu-tflops", "0.5")
+WORDS = ("alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
+         "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo")
+
+
+@dataclass(frozen=True)
+class ServerShape:
+    """The vLLM settings the simulator must share with the real server."""
+
+    model_dir: str
+    served_name: str
+    max_model_len: int
+    block_size: int
+    num_blocks: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    def served(self, efficiency: Efficiency | None) -> ServedModel:
+        args = build_parser().parse_args([
+            "--model", self.model_dir, *CPU_DEVICE,
+            "--max-model-len", str(self.max_model_len), "--block-size", str(self.block_size),
+            "--num-gpu-blocks-override", str(self.num_blocks),
+            "--max-num-seqs", str(self.max_num_seqs),
+            "--max-num-batched-tokens", str(self.max_num_batched_tokens)])
+        served = served_model_from_args(args)
+        return served if efficiency is None else served.with_efficiency(efficiency)
+
+
+@dataclass
+class Observed:
+    client: int
+    sent_s: float
+    prompt_tokens: int
+    output_tokens: int
+    first_s: float | None = None
+    last_s: float | None = None
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_s is None else self.first_s - self.sent_s
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.first_s is None or self.last_s is None or self.output_tokens < 2:
+            return None
+        return (self.last_s - self.first_s) / (self.output_tokens - 1)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A request to send: prompt words (about one token each) and output tokens."""
+
+    words: int
+    output_tokens: int
+
+
+def shapes(count: int, mixed: bool, rng: random.Random, fixed: Shape) -> list[Shape]:
+    if not mixed:
+        return [fixed] * count
+    return [Shape(rng.randint(fixed.words // 4, fixed.words * 2),
+                  rng.randint(max(2, fixed.output_tokens // 4), fixed.output_tokens * 2))
+            for _ in range(count)]
+
+
+async def send(session: aiohttp.ClientSession, url: str, model: str, shape: Shape,
+               client: int, origin: float, serial: int) -> Observed:
+    prompt = f"{serial} {random.random():.9f} " + " ".join(
+        WORDS[(serial + i) % len(WORDS)] for i in range(shape.words))
+    body = {"model": model, "prompt": prompt, "max_tokens": shape.output_tokens,
+            "stream": True, "ignore_eos": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
+    seen = Observed(client, time.monotonic() - origin, 0, 0)
+    async with session.post(url + "/v1/completions", json=body) as response:
+        if response.status != 200:
+            raise RuntimeError(f"vLLM answered {response.status}: {await response.text()}")
+        async for line in response.content:
+            if not line.startswith(b"data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                now = time.monotonic() - origin
+                seen.first_s = now if seen.first_s is None else seen.first_s
+                seen.last_s = now
+            usage = chunk.get("usage")
+            if usage:
+                seen.prompt_tokens = usage["prompt_tokens"]
+                seen.output_tokens = usage["completion_tokens"]
+    return seen
+
+
+async def closed_loop(url: str, model: str, work: Sequence[Shape], clients: int,
+                      serial0: int) -> list[Observed]:
+    """`clients` clients, each sending its next request when the previous one ended;
+    client k sends work[k], work[k + clients], ..."""
+    origin = time.monotonic()
+    out: list[Observed] = []
+    timeout = aiohttp.ClientTimeout(total=900)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        async def client(k: int) -> None:
+            for index in range(k, len(work), clients):
+                out.append(await send(session, url, model, work[index], k, origin,
+                                      serial0 + index))
+
+        await asyncio.gather(*(client(k) for k in range(clients)))
+    return out
+
+
+async def open_loop(url: str, model: str, work: Sequence[Shape], gaps_s: Sequence[float],
+                    serial0: int) -> list[Observed]:
+    """Requests sent at fixed offsets (cumulative `gaps_s`), whatever is running."""
+    origin = time.monotonic()
+    timeout = aiohttp.ClientTimeout(total=900)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        async def one(index: int, at: float) -> Observed:
+            await asyncio.sleep(max(0.0, at - (time.monotonic() - origin)))
+            return await send(session, url, model, work[index], index, origin, serial0 + index)
+
+        offsets, at = [], 0.0
+        for gap in gaps_s:
+            at += gap
+            offsets.append(at)
+        return list(await asyncio.gather(*(one(i, t) for i, t in enumerate(offsets))))
+
+
+class ClientReplay:
+    """A closed loop that replays measured requests: each client sends its own
+    requests, in its order, each when its previous one finished."""
+
+    def __init__(self, observed: Sequence[Observed]) -> None:
+        queues: dict[int, list[SimRequest]] = {}
+        for seen in sorted(observed, key=lambda s: s.sent_s):
+            queues.setdefault(seen.client, []).append(
+                SimRequest(0.0, seen.prompt_tokens, seen.output_tokens))
+        self.queues = {k: list(reversed(v)) for k, v in queues.items()}
+        self.owner: dict[int, int] = {}
+
+    def _next(self, client: int, at: float) -> SimRequest | None:
+        queue = self.queues[client]
+        if not queue:
+            return None
+        spec = queue.pop()
+        spec = SimRequest(at, spec.prompt_tokens, spec.output_tokens)
+        self.owner[id(spec)] = client
+        return spec
+
+    def initial(self) -> list[SimRequest]:
+        return [spec for k in sorted(self.queues) if (spec := self._next(k, 0.0)) is not None]
+
+    def after(self, finished: SimRequest, finish_s: float) -> SimRequest | None:
+        return self._next(self.owner[id(finished)], finish_s)
+
+
+def stats(values: Sequence[float]) -> dict[str, float | None]:
+    return {"p50": percentile(values, 50), "p90": percentile(values, 90)}
+
+
+def compare(name: str, observed: Sequence[Observed], served: ServedModel, clients: int | None,
+            preemptions: float) -> dict[str, Any]:
+    """Measured vs simulated vs closed form for one workload."""
+    done = [s for s in observed if s.ttft_s is not None and s.tpot_s is not None]
+    measured = {"ttft_s": stats([s.ttft_s for s in done if s.ttft_s is not None]),
+                "tpot_s": stats([s.tpot_s for s in done if s.tpot_s is not None])}
+    if clients is not None:
+        workload: Any = ClientReplay(done)
+    else:
+        workload = Trace([SimRequest(s.sent_s, s.prompt_tokens, s.output_tokens)
+                          for s in sorted(done, key=lambda s: s.sent_s)])
+    started = time.perf_counter()
+    run = simulate(served, workload, EngineConfig.of(served))
+    sim_seconds = time.perf_counter() - started
+    summary = run.summary()
+    simulated = {key: {"p50": summary[key]["p50"], "p90": summary[key]["p90"]}
+                 for key in ("ttft_s", "tpot_s")}
+    # The closed form at the workload's concurrency: the clients, or (open loop) the
+    # mean number in flight by Little's law at the measured rate and E2E.
+    prompt = round(statistics.fmean(s.prompt_tokens for s in done))
+    output = round(statistics.fmean(s.output_tokens for s in done))
+    if clients is None:
+        span = max(s.last_s or 0.0 for s in done) - min(s.sent_s for s in done)
+        e2e = statistics.fmean((s.last_s or 0.0) - s.sent_s for s in done)
+        level = max(1, round(len(done) / span * e2e))
+    else:
+        level = clients
+    estimate = steady_latency(served, prompt, output, level)
+    assert estimate is not None
+    closed_form = {"ttft_s": {"p50": estimate.ttft_s, "p90": estimate.ttft_s},
+                   "tpot_s": {"p50": estimate.tpot_s, "p90": estimate.tpot_s}}
+
+    def errors(predicted: dict[str, dict[str, float | None]]) -> dict[str, float]:
+        out = {}
+        for key in ("ttft_s", "tpot_s"):
+            for q in ("p50", "p90"):
+                value, truth = predicted[key][q], measured[key][q]
+                assert value is not None and truth is not None
+                out[f"{key[:4]}_{q}"] = value / truth - 1
+        return out
+
+    return {"workload": name, "clients": clients, "requests": len(done),
+            "concurrency_for_closed_form": level, "measured": measured,
+            "simulated": simulated, "closed_form": closed_form,
+            "simulator_error": errors(simulated), "closed_form_error": errors(closed_form),
+            "preemptions": {"vllm": preemptions, "simulated": summary["preemptions"]},
+            "simulator_seconds": round(sim_seconds, 3),
+            # Each request as measured: client, sent, prompt and output tokens, first and
+            # last token (seconds from the workload's start).
+            "observed": [[s.client, round(s.sent_s, 5), s.prompt_tokens, s.output_tokens,
+                          round(s.first_s or 0.0, 5), round(s.last_s or 0.0, 5)]
+                         for s in done]}
+
+
+def preemptions_total(url: str) -> float:
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as response:
+        text = response.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith("vllm:num_preemptions_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def measure_all(url: str, shape: ServerShape, efficiency: Efficiency | None,
+                      levels: Sequence[int], per_level: int, fixed: Shape, seed: int,
+                      mixed_too: bool = True, burst: int = 0, rate: float = 0.0,
+                      rate_requests: int = 0) -> list[dict[str, Any]]:
+    """Every workload against the server at `url`, each compared with its prediction."""
+    rng = random.Random(seed)
+    served = shape.served(efficiency)
+    results = []
+    serial = [seed * 1_000_000]
+
+    async def run_closed(name: str, clients: int, work: list[Shape]) -> None:
+        before = preemptions_total(url)
+        observed = await closed_loop(url, shape.served_name, work, clients, serial[0])
+        serial[0] += len(work)
+        results.append(compare(name, observed, served, clients,
+                               preemptions_total(url) - before))
+
+    for mixed in (False, True) if mixed_too else (False,):
+        for clients in levels:
+            count = max(per_level, 3 * clients)
+            label = "mixed" if mixed else "fixed"
+            await run_closed(f"closed c={clients} {label}", clients,
+                             shapes(count, mixed, rng, fixed))
+    for name, count, gaps in (
+            ("open burst", burst, [0.0] * burst),
+            (f"open poisson {rate:g}/s", rate_requests,
+             [rng.expovariate(rate) if rate else 0.0 for _ in range(rate_requests)])):
+        if not count:
+            continue
+        before = preemptions_total(url)
+        work = shapes(count, True, rng, fixed)
+        observed = await open_loop(url, shape.served_name, work, gaps, serial[0])
+        serial[0] += count
+        results.append(compare(name, observed, served, None, preemptions_total(url) - before))
+    return results
+
+
+# The terms the warm-up fits: (name, lower, upper). The rest keep the prior.
+FITTED = (("per_step_s", 1e-4, 0.05), ("per_sequence_s", 0.0, 0.01),
+          ("per_request_s", 0.0, 0.2), ("compute", 0.005, 1.0))
+
+
+def _log_error(predicted: float | None, measured: float | None) -> float:
+    if not predicted or not measured:
+        return 10.0
+    return abs(math.log(predicted / measured))
+
+
+def fit_efficiency(shape: ServerShape, warmups: Sequence[tuple[int, Sequence[Observed]]],
+                   rounds: int = 5) -> Efficiency:
+    """The engine's costs that make the simulator reproduce the warm-up: a coordinate
+    search minimising the sum over the warm-up loops of |log(simulated / measured)| of
+    the median TTFT and TPOT. Deterministic."""
+    base = shape.served(None)
+    values = {name: float(getattr(base.efficiency, name)) for name, _, _ in FITTED}
+    values["per_step_s"] = max(values["per_step_s"], 1e-3)
+    measured = [(clients, observed,
+                 percentile([s.ttft_s for s in observed if s.ttft_s is not None], 50),
+                 percentile([s.tpot_s for s in observed if s.tpot_s is not None], 50))
+                for clients, observed in warmups]
+
+    def score(trial: dict[str, float]) -> float:
+        served = base.with_efficiency(replace(base.efficiency, **trial))
+        total = 0.0
+        for _clients, observed, ttft, tpot in measured:
+            summary = simulate(served, ClientReplay(observed), EngineConfig.of(served)).summary()
+            total += _log_error(summary["ttft_s"]["p50"], ttft)
+            total += _log_error(summary["tpot_s"]["p50"], tpot)
+        return total
+
+    best = score(values)
+    step = 1.0
+    for _ in range(rounds):
+        improved = True
+        while improved:
+            improved = False
+            for name, low, high in FITTED:
+                for factor in (1 + step, 1 / (1 + step)):
+                    current = values[name]
+                    moved = current * factor if current > 0 else high * step / 20
+                    trial = {**values, name: min(high, max(low, moved))}
+                    if trial[name] == current:
+                        continue
+                    trial_score = score(trial)
+                    if trial_score < best - 1e-9:
+                        values, best, improved = trial, trial_score, True
+                        break
+        step /= 2
+    return replace(base.efficiency, **values)
+
+
+async def warm_up(url: str, model: str, requests: int, fixed: Shape,
+                  seed: int) -> list[tuple[int, list[Observed]]]:
+    """Mixed-length closed loops of 1, 2, 4 and 8 clients: the calibration's data,
+    after a few requests that are not kept (a server's first requests run slower)."""
+    rng = random.Random(seed + 1)
+    for clients in (1, 4):
+        await closed_loop(url, model, shapes(2 * clients, True, rng, fixed), clients,
+                          8_000_000 + clients * 10_000)
+    out = []
+    for clients in (1, 2, 4, 8):
+        work = shapes(max(2 * clients, requests // 4), True, rng, fixed)
+        out.append((clients, await closed_loop(url, model, work, clients,
+                                               9_000_000 + clients * 10_000)))
+    return out
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from support.env import free_port, model_dir, vllm_python
+    from support.vllm_server import VllmServer
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--smoke", action="store_true", help="fewer levels and requests")
+    parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    started = time.time()
+    record = provenance("bench/simulator_vs_vllm.py" + (" --smoke" if args.smoke else ""))
+    model = "small-llama"
+    shape = ServerShape(str(model_dir(model)), model, 2048, 128, 64, 128, 2048)
+    fixed = Shape(200, 48)
+    levels = (1, 4, 16) if args.smoke else (1, 2, 4, 8, 16, 32)
+    server = VllmServer(vllm_python(), shape.model_dir, model, free_port(),
+                        shape.max_model_len, block_size=shape.block_size,
+                        num_gpu_blocks_override=shape.num_blocks,
+                        max_num_seqs=shape.max_num_seqs,
+                        max_num_batched_tokens=shape.max_num_batched_tokens).start()
+    try:
+        warmups = asyncio.run(warm_up(server.url, model, 40 if args.smoke else 120, fixed,
+                                      args.seed))
+        fitted = fit_efficiency(shape, warmups)
+        efficiency = fitted.as_dict()
+        results = asyncio.run(measure_all(
+            server.url, shape, fitted, levels,
+            12 if args.smoke else 24, fixed, args.seed, mixed_too=not args.smoke,
+            burst=16 if args.smoke else 32, rate=4.0, rate_requests=24 if args.smoke else 48))
+    finally:
+        server.stop()
+    record.update({"model": model, "server": vars(shape), "fixed_lengths": vars(fixed),
+                   "efficiency": efficiency, "workloads": results,
+                   "within_targets": within_targets(results),
+                   "seconds": round(time.time() - started, 1)})
+    if args.out:
+        write_json(args.out, record)
+    print(table(results))
+    return 0
+
+
+def within_targets(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """How many workloads meet issue 15's bounds (p50 within 20%, p90 within 30%), for
+    the simulator and for the closed form."""
+    out: dict[str, Any] = {}
+    for who in ("simulator", "closed_form"):
+        errors = [r[f"{who}_error"] for r in results]
+        out[who] = {
+            "workloads": len(errors),
+            "p50_within_20pct": sum(1 for e in errors if abs(e["ttft_p50"]) <= 0.2
+                                    and abs(e["tpot_p50"]) <= 0.2),
+            "p90_within_30pct": sum(1 for e in errors if abs(e["ttft_p90"]) <= 0.3
+                                    and abs(e["tpot_p90"]) <= 0.3),
+            "median_abs_error": {key: statistics.median(abs(e[key]) for e in errors)
+                                 for key in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90")},
+        }
+    return out
+
+
+def table(results: Sequence[dict[str, Any]]) -> str:
+    head = ("workload", "n", "TTFT p50 meas/sim/old ms", "p90 sim/old err",
+            "TPOT p50 meas/sim/old ms", "p90 sim/old err", "preempt vllm/sim")
+    rows = [head]
+    for r in results:
+        m, s, c = r["measured"], r["simulated"], r["closed_form"]
+        se, ce = r["simulator_error"], r["closed_form_error"]
+        rows.append((
+            r["workload"], str(r["requests"]),
+            f"{m['ttft_s']['p50']*1e3:.0f}/{s['ttft_s']['p50']*1e3:.0f}/"
+            f"{c['ttft_s']['p50']*1e3:.0f} ({se['ttft_p50']:+.0%}/{ce['ttft_p50']:+.0%})",
+            f"{se['ttft_p90']:+.0%}/{ce['ttft_p90']:+.0%}",
+            f"{m['tpot_s']['p50']*1e3:.1f}/{s['tpot_s']['p50']*1e3:.1f}/"
+            f"{c['tpot_s']['p50']*1e3:.1f} ({se['tpot_p50']:+.0%}/{ce['tpot_p50']:+.0%})",
+            f"{se['tpot_p90']:+.0%}/{ce['tpot_p90']:+.0%}",
+            f"{r['preemptions']['vllm']:.0f}/{r['preemptions']['simulated']}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
+                     for row in rows)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
