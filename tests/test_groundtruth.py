@@ -113,6 +113,7 @@ OUT_OF_FOLD_BOUNDS = {
 }
 
 
+@pytest.mark.slow  # the cross-validation's five fits: ~25 s on 2 busy cores, once a session
 @pytest.mark.parametrize(("band", "quantity"), list(OUT_OF_FOLD_BOUNDS))
 def test_out_of_fold_median_error_within_bounds(band: str, quantity: str) -> None:
     rows, median, _ = median_ape(_out_of_fold(), band=band, quantity=quantity)
@@ -120,6 +121,7 @@ def test_out_of_fold_median_error_within_bounds(band: str, quantity: str) -> Non
     assert median <= OUT_OF_FOLD_BOUNDS[(band, quantity)], f"{band} {quantity}: {median:.1%}"
 
 
+@pytest.mark.slow
 def test_every_row_is_predicted_out_of_fold_and_finite() -> None:
     predictions = _out_of_fold()
     steady = [p for p in predictions if p.band == BANDS[0]]
