@@ -12,13 +12,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Literal
 
 from sidecar.model import ServedModel
+from sidecar.model.latency import PRIOR_P90_RATIO
+
+DeadlineQuantile = Literal["p50", "p90"]
 
 # Buckets for memoised latency predictions: coarse enough to hit the cache,
 # fine enough to stay within a few percent.
 _PROMPT_BUCKET = 64
 _CONTEXT_BUCKET = 256
+
+
+@dataclass(frozen=True)
+class LatencySpread:
+    """Multipliers on the model's TTFT and TPOT: its median (p50) and 90th percentile
+    (p90) predictions. Calibration measures them on the server (`calibration.spread`);
+    without it, p50 is the model's own and p90 its prior error spread."""
+
+    ttft_p50: float = 1.0
+    ttft_p90: float = PRIOR_P90_RATIO["ttft"]
+    tpot_p50: float = 1.0
+    tpot_p90: float = PRIOR_P90_RATIO["tpot"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +50,13 @@ class RequestCost:
     prefill_work_s: float = 0.0  # its own prefill, as engine time (no slowdown)
     shared_blocks: int = 0  # blocks of its peak that admitted requests already hold
     cached_tokens: int = 0  # prompt tokens the server will not prefill (prefix hits)
+    # prefill_s and tpot_s are p50 predictions; the model's own (before the spread's
+    # factors) and the p90 beside them:
+    prefill_model_s: float = 0.0
+    tpot_model_s: float = 0.0
+    prefill_p90_s: float = 0.0
+    tpot_p90_s: float = 0.0
+    deadline_prefill_s: float = 0.0  # the prefill deadlines are judged on (p50 or p90)
 
     @property
     def total_tokens(self) -> int:
@@ -53,8 +76,11 @@ class RequestCost:
 
 
 class CostModel:
-    def __init__(self, served: ServedModel) -> None:
+    def __init__(self, served: ServedModel, spread: LatencySpread | None = None,
+                 deadline_quantile: DeadlineQuantile = "p50") -> None:
         self.served = served
+        self.spread = spread or LatencySpread()
+        self.deadline_quantile: DeadlineQuantile = deadline_quantile
         self._blocks = lru_cache(maxsize=65_536)(served.blocks_for_request)
         self.lifecycle = served.lifecycle
         self._prefill = lru_cache(maxsize=16_384)(self._prefill_uncached)
@@ -110,6 +136,10 @@ class CostModel:
         peak = self.peak_blocks(prompt_tokens, output_tokens, sequences)
         worst_output = max(output_tokens, self.max_model_len - prompt_tokens)
         shared = min(shared_blocks, peak)
+        spread = self.spread
+        prefill_model = prefill * slowdown
+        tpot_model = self.tpot_s(running + sequences, mean_context or total) * slowdown
+        prefill_p90 = prefill_model * spread.ttft_p90
         return RequestCost(
             prompt_tokens=prompt_tokens,
             output_tokens=output_tokens,
@@ -117,12 +147,18 @@ class CostModel:
             kv_blocks=peak - shared,
             worst_case_blocks=self.peak_blocks(prompt_tokens, worst_output, sequences) - shared,
             prefill_flops=self._flops_per_token * (prompt_tokens - cached),
-            prefill_s=prefill * slowdown,
+            prefill_s=prefill_model * spread.ttft_p50,
             # Engine time only: the API server's per-request work runs beside the engine.
             prefill_work_s=max(0.0, prefill - self.served.efficiency.per_request_s),
-            tpot_s=self.tpot_s(running + sequences, mean_context or total) * slowdown,
+            tpot_s=tpot_model * spread.tpot_p50,
             shared_blocks=shared,
             cached_tokens=cached,
+            prefill_model_s=prefill_model,
+            tpot_model_s=tpot_model,
+            prefill_p90_s=prefill_p90,
+            tpot_p90_s=tpot_model * spread.tpot_p90,
+            deadline_prefill_s=(prefill_p90 if self.deadline_quantile == "p90"
+                                else prefill_model * spread.ttft_p50),
         )
 
     def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int) -> int:

@@ -1,7 +1,16 @@
-"""Online calibration of the model's efficiency terms against the live server."""
+"""Online calibration of the model's rates against the live server, and the spread
+of observed times around its predictions (p50 and p90)."""
 
-from sidecar.calibration.calibrator import CalibrationStatus, Calibrator
-from sidecar.calibration.fit import RobustLine
-from sidecar.calibration.store import CalibrationStore
+from sidecar.calibration.calibrator import Calibrator
+from sidecar.calibration.fit import RobustFit
+from sidecar.calibration.health import Health, health
+from sidecar.calibration.spread import Factors, Spread
+from sidecar.calibration.store import (
+    CalibrationFileError,
+    CalibrationStore,
+    SavedCalibration,
+    read_calibration,
+)
 
-__all__ = ["CalibrationStatus", "CalibrationStore", "Calibrator", "RobustLine"]
+__all__ = ["CalibrationFileError", "CalibrationStore", "Calibrator", "Factors", "Health",
+           "RobustFit", "SavedCalibration", "Spread", "health", "read_calibration"]

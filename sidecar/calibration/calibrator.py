@@ -1,67 +1,86 @@
-"""Calibrate the model's efficiency terms against the live server.
+"""Calibrate the model's rates against the live server.
 
-Two robust lines (`fit.RobustLine`), in seconds:
-- decode: observed step time (TPOT) = slope x ideal step time + overhead
-  + per-sequence cost x batch, where the ideal time is the roofline at 100% efficiency
-  and no overheads for the batch and context at the time: slope = 1 / bandwidth
-  efficiency (decode is bandwidth-bound), overhead = per-step + per-layer costs, and
-  the per-sequence cost the host work each sequence adds to a step (sampling, output
-  processing, streaming: small on a GPU server, most of a step on a CPU one);
-- prefill: observed time to first token, less the per-sequence cost of the batch
-  it ran in, = slope x ideal prefill time + overhead:
-  slope = 1 / compute efficiency; what its overhead exceeds the decode overhead by is
-  the engine's per-request cost (API server, tokenizer, first-token streaming).
-Per-step and per-layer overheads cannot be told apart on one model (the layer count
-is fixed), so the fitted overhead scales both in their prior proportion.
+One robust linear fit (`fit.RobustFit`) over every observed prefill (time to first
+token) and decode step (time per output token), in effective rates that no catalogue
+peak bounds:
 
-Observations come from the sidecar's own requests (time from sending to the first
-streamed token; time per token after it; the batch at the time) and from the
-server's histograms (inter-token latency and prefill time between two scrapes, with
-its running count) for intervals in which the sidecar had no traffic of its own
-(requests that bypass it). Each line starts at the analytical prior and is clamped to
-physical ranges: efficiencies in [0.001, 1], overheads in [0, 2 s], the per-sequence
-cost in [0, 50 ms].
+    seconds = r_compute x compute_s + r_memory x memory_s + s_step x steps
+              + s_sequence x sequences + s_request x [a prefill] (+ all-reduces)
+
+where compute_s and memory_s are the roofline's FLOP and byte terms at the named
+device's peaks (`sidecar.model.latency`: the FLOPs and bytes of the batch at the time,
+prompt attention and the KV cache read included), steps the engine steps of the phase,
+sequences the sequences those steps carried (sampling, output processing, streaming:
+small on a GPU server, most of a step on a CPU one) and s_request the engine's fixed
+cost per request (API server, tokenizer, first-token streaming). r_compute and r_memory
+are the inverse efficiencies against that device: 1 / r is the share of its peak the
+server reaches, above 1 when the server is faster than the device kvgate was told
+about (see `health`). The model predicts with exactly this sum (`Efficiency` with
+serial_fraction 1: no overlap credited between compute and memory time, which the
+observations cannot tell).
+
+What the observations identify on one server: prompt lengths separate r_compute from
+the fixed costs (prefill), batch sizes s_sequence (decode, once r_compute is known
+from prefills), prefill against decode s_request, and contexts r_memory's KV part.
+The weights are read once per step whatever the batch, so their time and s_step move
+together on one model: the fit's prior (worth two observations) splits that sum, the
+prediction of both phases does not depend on the split, and a restart with another
+model size re-fits it (`server_restarted`).
+
+Observations come from the sidecar's own requests (time from admission to the first
+streamed token; time per token after it; the batch at the time) and from the server's
+histograms (inter-token latency and prefill time between two scrapes, with its running
+count) for intervals in which the sidecar had no traffic of its own. The fit starts at
+a prior: the saved calibration for this model, device and TP; else the last fit of
+another model on the same device (a server restarted with another model); else the
+analytical defaults.
+
+`spread` keeps what the fit leaves: the median and p90 of observed / predicted of
+recent requests (see `spread.Spread`), the factors of the p50 and p90 predictions.
 """
 
 from __future__ import annotations
 
-import contextlib
+import logging
 import math
 import time
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
-from sidecar.calibration.fit import RobustLine
+from sidecar.calibration.fit import RobustFit
+from sidecar.calibration.health import health
+from sidecar.calibration.spread import Spread
 from sidecar.calibration.store import CalibrationStore
 from sidecar.model import Efficiency, ServedModel
-from sidecar.upstream import UpstreamView
 
-MIN_EFFICIENCY = 0.001
-MAX_OVERHEAD_S = 2.0
-MAX_PER_SEQUENCE_S = 0.05
+if TYPE_CHECKING:
+    from sidecar.upstream import UpstreamView
+
+log = logging.getLogger("kvgate.calibration")
+
+RATES = ("compute", "memory", "step", "sequence", "request")
+# r_compute and r_memory: 1e-3 (1,000x the named peak) to 1e7 (1e-7 of it); the
+# fixed costs within a few seconds.
+BOUNDS = [(1e-3, 1e7), (1e-3, 1e7), (0.0, 5.0), (0.0, 1.0), (0.0, 30.0)]
 _CONTEXT_BUCKET = 128
 SAVE_EVERY = 50
-
-
-@dataclass(frozen=True)
-class CalibrationStatus:
-    efficiency: Efficiency
-    decode_observations: int
-    prefill_observations: int
 
 
 class Calibrator:
     def __init__(self, store: CalibrationStore | None = None) -> None:
         self.store = store or CalibrationStore(None)
+        self.spread = Spread()
         self._key: str | None = None
         self._prior: Efficiency | None = None
-        self._decode: RobustLine | None = None
-        self._prefill: RobustLine | None = None
+        self._fit: RobustFit | None = None
+        self._fitted = False
         self._served: ServedModel | None = None
-        self._ideal: dict[float, ServedModel] = {}
-        self._ideal_cache: dict[tuple[str, int, int, int, float], float] = {}
+        self._ideal: ServedModel | None = None
+        self._features: dict[tuple[str, int, int, int], tuple[list[float], float]] = {}
         self._since_save = 0
         self._own_since_scrape = 0  # the sidecar's own observations since the last scrape
+        self._counts = {"decode": 0, "prefill": 0}  # usable observations since the start
+        self._typical_log_s: dict[str, float] = {}  # running mean of log(seconds), per kind
 
     @staticmethod
     def key(served: ServedModel) -> str:
@@ -71,62 +90,60 @@ class Calibrator:
     def _ensure(self, served: ServedModel) -> None:
         key = self.key(served)
         if key == self._key:
+            self._served = served
             return
         prior = served.efficiency
-        stored = self.store.load(key)
+        previous = self._served
+        if previous is not None and self._fit is not None and self._fitted and (
+                previous.gpu == served.gpu and previous.deployment.tp == served.deployment.tp):
+            # Another model on the same device: its rates are the best start.
+            prior = self.efficiency(previous)
+        stored = self.store.load(key, prior)
         if stored is not None:
-            with contextlib.suppress(ValueError):
-                prior = Efficiency.from_mapping(stored["efficiency"], prior)
-        layers = served.arch.num_layers
-        overhead = prior.per_step_s + prior.per_layer_s * layers
-        self._key, self._prior = key, prior
-        self._decode = RobustLine(1.0 / prior.bandwidth, overhead,
-                                  (1.0, 1.0 / MIN_EFFICIENCY), (0.0, MAX_OVERHEAD_S),
-                                  prior_per_z=prior.per_sequence_s,
-                                  per_z_bounds=(0.0, MAX_PER_SEQUENCE_S))
-        self._prefill = RobustLine(1.0 / prior.compute, overhead + prior.per_request_s,
-                                   (1.0, 1.0 / MIN_EFFICIENCY), (0.0, MAX_OVERHEAD_S))
-        self._served = served
-        self._ideal.clear()
-        self._ideal_cache.clear()
+            prior = stored.efficiency
+        self._key, self._prior, self._served = key, prior, served
+        self._fit = RobustFit(self._rates_of(prior, served), [*BOUNDS])
+        self._fitted = False  # any observation for this key yet
+        self._counts = {"decode": 0, "prefill": 0}
+        ideal = Efficiency(compute=1.0, bandwidth=1.0, per_layer_s=0.0, per_step_s=0.0,
+                           allreduce_latency_s=prior.allreduce_latency_s, per_request_s=0.0,
+                           serial_fraction=1.0, per_sequence_s=0.0)
+        self._ideal = served.with_efficiency(ideal)
+        self._features.clear()
 
-    def _ideal_model(self, compute: float) -> ServedModel:
-        """The model with no overheads, full bandwidth and the given compute efficiency."""
-        assert self._served is not None and self._prior is not None
-        found = self._ideal.get(compute)
-        if found is None:
-            efficiency = replace(self._prior, compute=compute, bandwidth=1.0, per_layer_s=0.0,
-                                 per_step_s=0.0, per_request_s=0.0, allreduce_latency_s=0.0,
-                                 per_sequence_s=0.0)
-            found = self._ideal[compute] = self._served.with_efficiency(efficiency)
-            if len(self._ideal) > 64:
-                self._ideal.clear()
-                self._ideal[compute] = found
-        return found
+    @staticmethod
+    def _rates_of(efficiency: Efficiency, served: ServedModel) -> list[float]:
+        return [1.0 / efficiency.compute, 1.0 / efficiency.bandwidth,
+                efficiency.per_step_s + efficiency.per_layer_s * served.arch.num_layers,
+                efficiency.per_sequence_s, efficiency.per_request_s]
 
-    def _ideal_seconds(self, kind: str, tokens: int, batch: int, context: int) -> float:
-        """The x of a line: the roofline without overheads. Prefill at full compute
-        efficiency (its slope is 1 / compute efficiency); decode at the compute
-        efficiency fitted so far and full bandwidth (its slope is then 1 / bandwidth
-        efficiency where decode is memory-bound, and ~1 where it is compute-bound)."""
-        compute = 1.0
-        if kind == "decode":
-            assert self._prefill is not None
-            compute = float(f"{_clamp(1.0 / self._prefill.estimate()[0]):.2g}")
+    def _phase(self, kind: str, tokens: int, batch: int,
+               context: int) -> tuple[list[float], float] | None:
+        """The features of one observation, and the all-reduce time to add to them."""
+        assert self._ideal is not None
         context = max(1, (context // _CONTEXT_BUCKET) * _CONTEXT_BUCKET)
-        cache_key = (kind, tokens, batch, context, compute)
-        cached = self._ideal_cache.get(cache_key)
-        if cached is None:
-            model = self._ideal_model(compute)
+        cache_key = (kind, tokens, batch, context)
+        found = self._features.get(cache_key)
+        if found is None:
+            served = self._ideal
             if kind == "decode":
-                phase = model.tpot((context,) * max(1, batch))
+                batch = max(1, batch)
+                phase = served.tpot((context,) * batch)
+                steps, sequences, request = 1.0, float(batch), 0.0
             else:
-                phase = model.ttft(max(1, tokens), (context,) * max(0, batch))
-            cached = phase.seconds if phase is not None else 0.0
-            if len(self._ideal_cache) > 8192:
-                self._ideal_cache.clear()
-            self._ideal_cache[cache_key] = cached
-        return cached
+                tokens, batch = max(1, tokens), max(0, batch)
+                phase = served.ttft(tokens, (context,) * batch)
+                chunk = max(1, served.max_num_batched_tokens - batch)
+                steps = float(-(-tokens // chunk))
+                sequences, request = steps * (batch + 1), 1.0
+            if phase is None:
+                return None
+            others = max(0.0, phase.seconds - phase.compute_s - phase.memory_s)
+            found = ([phase.compute_s, phase.memory_s, steps, sequences, request], others)
+            if len(self._features) > 8192:
+                self._features.clear()
+            self._features[cache_key] = found
+        return found
 
     # ---- observations -------------------------------------------------------------
 
@@ -134,32 +151,33 @@ class Calibrator:
                        weight: float = 1.0) -> None:
         """One of the sidecar's own requests: its time per output token."""
         self._own_since_scrape += 1
-        self._fit_decode(served, batch, context, seconds, weight)
+        self._observe(served, "decode", 1, batch, context, seconds, weight)
 
     def observe_prefill(self, served: ServedModel, prompt_tokens: int, running: int,
                         context: int, seconds: float, weight: float = 1.0) -> None:
-        """One of the sidecar's own requests: its time to first token."""
+        """One of the sidecar's own requests: its time to first token after admission,
+        with `running` others decoding."""
         self._own_since_scrape += 1
-        self._fit_prefill(served, prompt_tokens, running, context, seconds, weight)
+        self._observe(served, "prefill", prompt_tokens, running, context, seconds, weight)
 
-    def _fit_decode(self, served: ServedModel, batch: int, context: int, seconds: float,
-                    weight: float) -> None:
+    def _observe(self, served: ServedModel, kind: str, tokens: int, batch: int, context: int,
+                 seconds: float, weight: float) -> None:
         self._ensure(served)
-        assert self._decode is not None
-        if self._decode.observe(self._ideal_seconds("decode", 1, batch, context), seconds,
-                                weight, z=max(1, batch)):
-            self._saved_later(served)
-
-    def _fit_prefill(self, served: ServedModel, prompt_tokens: int, running: int,
-                     context: int, seconds: float, weight: float) -> None:
-        self._ensure(served)
-        assert self._prefill is not None and self._decode is not None
-        # The step it ran in also carried the running sequences' host work.
-        per_sequence = self._decode.coefficients()[2] * (max(0, running) + 1)
-        if self._prefill.observe(
-            self._ideal_seconds("prefill", prompt_tokens, running, context),
-            seconds - per_sequence, weight,
-        ):
+        assert self._fit is not None
+        found = self._phase(kind, tokens, batch, context)
+        if found is None:
+            return
+        features, others = found
+        y = seconds - others
+        if not (math.isfinite(y) and y > 0):
+            return
+        # What a phase of this kind typically takes: the error's scale (see RobustFit).
+        mean = self._typical_log_s.get(kind)
+        mean = math.log(y) if mean is None else 0.95 * mean + 0.05 * math.log(y)
+        self._typical_log_s[kind] = mean
+        if self._fit.observe(features, y, weight, math.exp(mean)) is not None:
+            self._fitted = True
+            self._counts[kind] += 1
             self._saved_later(served)
 
     def observe_server(self, before: UpstreamView, after: UpstreamView,
@@ -194,55 +212,73 @@ class Calibrator:
             if tokens is not None and tokens[1] > 0:
                 context += int(tokens[0] / tokens[1] / 2)
         if itl is not None and itl[1] >= 2 and running > 0:
-            self._fit_decode(served, running, context, itl[0] / itl[1] / slowdown,
-                             weight=min(10.0, itl[1] / 10))
+            self._observe(served, "decode", 1, running, context, itl[0] / itl[1] / slowdown,
+                          weight=min(10.0, itl[1] / 10))
         prefill = _delta(old.histograms.get("prefill"), new.histograms.get("prefill"))
         if prefill is not None and prefill[1] >= 1 and prompts is not None and prompts[1] >= 1:
-            self._fit_prefill(served, int(prompts[0] / prompts[1]), max(0, running - 1),
-                              context, prefill[0] / prefill[1] / slowdown,
-                              weight=min(5.0, prefill[1]))
+            self._observe(served, "prefill", int(prompts[0] / prompts[1]), max(0, running - 1),
+                          context, prefill[0] / prefill[1] / slowdown,
+                          weight=min(5.0, prefill[1]))
 
     def server_restarted(self) -> None:
-        """The server came back, perhaps with other settings: start the fits over from
-        what they had learned (see RobustLine.restart)."""
-        for line in (self._decode, self._prefill):
-            if line is not None:
-                line.restart()
+        """The server came back, perhaps with other settings: start the fit over from
+        what it had learned (see RobustFit.restart), and the spread from nothing."""
+        if self._fit is not None:
+            self._fit.restart()
+        self.spread.reset()
 
     # ---- results --------------------------------------------------------------------
 
+    @property
+    def observations(self) -> int:
+        """Usable observations of the current model, device and TP."""
+        return sum(self._counts.values())
+
     def efficiency(self, served: ServedModel) -> Efficiency:
         self._ensure(served)
-        assert self._prior is not None and self._decode is not None and self._prefill is not None
+        assert self._prior is not None and self._fit is not None
         prior = self._prior
-        if not self._decode.observations and not self._prefill.observations:
+        if not self._fitted:
             return prior
-        decode_slope, overhead, per_sequence = self._decode.coefficients()
-        prefill_slope, prefill_overhead = self._prefill.estimate()
-        prior_overhead = prior.per_step_s + prior.per_layer_s * served.arch.num_layers
-        factor = overhead / prior_overhead if prior_overhead > 0 else 1.0
-        per_step = prior.per_step_s * factor if prior_overhead > 0 else overhead
-        # What the first token costs beyond one step: the engine's per-request work.
-        per_request = max(0.0, prefill_overhead - overhead)
+        compute, memory, step, sequence, request = self._fit.rates()
+        layers = served.arch.num_layers
+        prior_step = prior.per_step_s + prior.per_layer_s * layers
+        # The per-step cost, split between per-step and per-layer in the prior's shares.
+        share = prior.per_step_s / prior_step if prior_step > 0 else 1.0
         return replace(
             prior,
-            compute=_clamp(1.0 / prefill_slope),
-            bandwidth=_clamp(1.0 / decode_slope),
-            per_layer_s=prior.per_layer_s * factor,
-            per_step_s=per_step,
-            per_request_s=per_request,
-            per_sequence_s=per_sequence,
+            compute=1.0 / compute,
+            bandwidth=1.0 / memory,
+            per_step_s=step * share,
+            per_layer_s=step * (1.0 - share) / layers if layers else 0.0,
+            per_request_s=request,
+            per_sequence_s=sequence,
+            serial_fraction=1.0,
         )
 
-    def status(self, served: ServedModel) -> dict[str, Any]:
+    def status(self, served: ServedModel, *, device_named: bool = True) -> dict[str, Any]:
         efficiency = self.efficiency(served)
-        assert self._decode is not None and self._prefill is not None
+        assert self._fit is not None
+        rates = dict(zip(RATES, self._fit.rates(), strict=True))
+        checked = health(served.with_efficiency(efficiency), self.observations,
+                         device_named=device_named)
         return {
             "key": self.key(served),
             "efficiency": efficiency.as_dict(),
             "prior": self._prior.as_dict() if self._prior else None,
-            "decode_observations": self._decode.observations,
-            "prefill_observations": self._prefill.observations,
+            "rates": {
+                "prefill_flops_per_s": _rate(served, "flops", rates["compute"]),
+                "memory_bytes_per_s": _rate(served, "bytes", rates["memory"]),
+                "step_s": rates["step"],
+                "sequence_s": rates["sequence"],
+                "request_s": rates["request"],
+            },
+            "health": checked.as_dict() if checked else None,
+            "spread": self.spread.status(),
+            "observations": self.observations,
+            "restarts_on_drift": self._fit.restarts,
+            "decode_observations": self._counts["decode"],
+            "prefill_observations": self._counts["prefill"],
             "saved_at": time.time(),
         }
 
@@ -253,10 +289,14 @@ class Calibrator:
             self.store.save(self.status(served))
 
 
-def _clamp(efficiency: float) -> float:
-    if not math.isfinite(efficiency):
-        return 1.0
-    return min(1.0, max(MIN_EFFICIENCY, efficiency))
+def _rate(served: ServedModel, unit: str, inverse_efficiency: float) -> float | None:
+    """The effective FLOP/s or bytes/s the fitted rate means on the named device."""
+    gpu, roofline = served.gpu, served.roofline
+    if gpu is None or roofline is None:
+        return None
+    peak = (gpu.peak_flops(roofline.compute_rate) if unit == "flops"
+            else gpu.bandwidth_bytes_per_s)
+    return peak / inverse_efficiency
 
 
 def _delta(old: Any, new: Any) -> tuple[float, float] | None:
@@ -264,5 +304,7 @@ def _delta(old: Any, new: Any) -> tuple[float, float] | None:
         return None
     total, count = new.sum - old.sum, new.count - old.count
     if count <= 0 or total < 0:
+        return None
+    if not math.isfinite(total):
         return None
     return total, count

@@ -1,157 +1,201 @@
-"""A robust online linear fit: y = slope x + intercept + per_z z.
+"""A robust online linear fit: y ~ sum(rate_i x_i), each rate within its bounds.
 
-x is the main regressor (an ideal time), z an optional count (sequences in a step);
-without z observations the z term stays at its prior.
+The x are known feature values of an observation (seconds of ideal compute, seconds of
+ideal memory traffic, engine steps, sequences in those steps, 1 for a request's fixed
+cost); the rates are what is learned. Each observation's squared error counts relative
+to sqrt(y x typical), `typical` a typical value of observations of its kind: a 5 ms
+token and a 500 ms first token count alike, and a glitch that reads 10x too short
+does not weigh 100x. With:
 
-- decay: every observation first multiplies the accumulated weights by
+- decay: every observation first multiplies the accumulated sums by
   0.5 ** (1 / half_life), so the fit follows a server that changes;
-- bounded influence: an observation whose relative residual r = (y - fit) / fit
-  exceeds k in size counts with weight k / |r| (Huber on the relative residual: times
-  span orders of magnitude), so its pull on the fit is at most k x fit however wild
-  it is; k is twice a running mean of |r| (at least 0.2): one hiccup in steady data
-  moves the fit little, while after a real change the residuals stay large, k grows
-  with them and the new regime counts fully within a few tens of observations; the
-  first `warmup` observations count fully, since the analytical prior can be off by
-  more than any threshold;
-- a prior: a ridge pull toward (prior_slope, prior_intercept, prior_per_z) worth
-  `prior_weight` observations, so the fit starts from the analytical model and moves
-  only with evidence, and stays put where the data cannot tell (all x alike);
-- bounds: each coefficient is clamped to a physically meaningful range (a clamped
-  coefficient is held there and the others re-fitted).
+- bounded influence: an observation whose residual r = log(y / fit) exceeds k in
+  size counts with weight k / |r| (Huber on the log residual: 10x too long and 10x
+  too short alike); k is twice a running mean of |r| (at least 0.2): one hiccup in
+  steady data moves the fit little; the first `warmup` observations count fully,
+  since the prior can be off by any factor;
+- a change: `drift_run` observations in a row off the fit by more than `drift_ratio`
+  the same way (all longer or all shorter) mean the server changed (or the prior was
+  far off): the fit restarts from where it is (`restart`), the evidence of the old
+  regime dropped, since relative weights would otherwise let it outweigh the new one;
+- a prior: a ridge pull toward `prior`, worth `prior_weight` observations at each
+  feature's typical size. It decides what the data cannot tell apart (two features
+  that always move together); what the data identify moves within a few
+  observations however far off the prior was;
+- bounds: a rate out of its range is fixed at the bound and the others re-fitted.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-_TERMS = 3  # slope (x), intercept (1), per_z (z)
 
-
-def _solve(m: list[list[float]], r: list[float]) -> list[float] | None:
-    """Solve a 1x1, 2x2 or 3x3 linear system by Cramer's rule; None when singular."""
-    n = len(r)
-    if n == 1:
-        return [r[0] / m[0][0]] if m[0][0] != 0 else None
-    if n == 2:
-        det = m[0][0] * m[1][1] - m[0][1] * m[1][0]
-        if det == 0 or not math.isfinite(det):
+def solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting; None when (nearly) singular."""
+    n = len(rhs)
+    a = [[*row, rhs[i]] for i, row in enumerate(matrix)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        if not math.isfinite(a[pivot][col]) or abs(a[pivot][col]) < 1e-300:
             return None
-        return [(r[0] * m[1][1] - m[0][1] * r[1]) / det,
-                (m[0][0] * r[1] - r[0] * m[1][0]) / det]
-    (a, b, c), (d, e, f), (g, h, i) = m
-    co_a, co_b, co_c = e * i - f * h, f * g - d * i, d * h - e * g
-    det = a * co_a + b * co_b + c * co_c
-    if det == 0 or not math.isfinite(det):
-        return None
-    x = r[0] * co_a + b * (r[2] * f - r[1] * i) + c * (r[1] * h - r[2] * e)
-    y = a * (r[1] * i - f * r[2]) + r[0] * co_b + c * (d * r[2] - r[1] * g)
-    z = a * (e * r[2] - r[1] * h) + b * (r[1] * g - d * r[2]) + r[0] * co_c
-    return [x / det, y / det, z / det]
+        a[col], a[pivot] = a[pivot], a[col]
+        for r in range(col + 1, n):
+            factor = a[r][col] / a[col][col]
+            if factor:
+                for c in range(col, n + 1):
+                    a[r][c] -= factor * a[col][c]
+    out = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        out[r] = (a[r][n] - sum(a[r][c] * out[c] for c in range(r + 1, n))) / a[r][r]
+    return out if all(math.isfinite(v) for v in out) else None
 
 
 @dataclass
-class RobustLine:
-    prior_slope: float
-    prior_intercept: float
-    slope_bounds: tuple[float, float]
-    intercept_bounds: tuple[float, float]
+class RobustFit:
+    prior: list[float]
+    bounds: list[tuple[float, float]]
     prior_weight: float = 2.0
-    half_life: float = 200.0
+    half_life: float = 150.0
     huber_floor: float = 0.2
     warmup: int = 10
-    prior_per_z: float = 0.0
-    per_z_bounds: tuple[float, float] = (0.0, 0.0)
-    # accumulated weighted sums of f f^T and f y, f = (x, 1, z)
-    sff: list[list[float]] = field(default_factory=lambda: [[0.0] * _TERMS
-                                                            for _ in range(_TERMS)])
-    sfy: list[float] = field(default_factory=lambda: [0.0] * _TERMS)
-    x_ref: float = 0.0
-    z_ref: float = 0.0
-    spread: float = 0.2  # running mean of |y - fit| / fit
+    drift_run: int = 12
+    drift_ratio: float = 1.5
+    # accumulated weighted sums of x x^T and x y, weighted 1 / (y x typical)
+    sxx: list[list[float]] = field(default_factory=list)
+    sxy: list[float] = field(default_factory=list)
+    scale: list[float] = field(default_factory=list)  # running mean of x_i / sqrt(y typ)
+    spread: float = 0.2  # running mean of |log(y / fit)|
     observations: int = 0
     since_reset: int = 0
-    _solved: tuple[float, float, float] | None = field(default=None, init=False, repr=False,
-                                                       compare=False)
+    restarts: int = 0  # restarts on drift
+    _run: int = 0  # consecutive observations off the same way (signed)
+    _solved: list[float] | None = field(default=None, init=False, repr=False, compare=False)
 
-    def coefficients(self) -> tuple[float, float, float]:
-        """(slope, intercept, per_z), clamped to their bounds."""
+    def __post_init__(self) -> None:
+        n = len(self.prior)
+        if len(self.bounds) != n:
+            raise ValueError("one bound per rate")
+        self.prior = [min(hi, max(lo, v)) for v, (lo, hi) in zip(self.prior, self.bounds,
+                                                                   strict=True)]
+        if not self.sxx:
+            self.sxx = [[0.0] * n for _ in range(n)]
+            self.sxy = [0.0] * n
+            self.scale = [0.0] * n
+
+    @property
+    def size(self) -> int:
+        return len(self.prior)
+
+    def rates(self) -> list[float]:
+        """The fitted rates, each within its bounds."""
         if self._solved is None:
             self._solved = self._fit()
-        return self._solved
+        return self._solved[:]
 
-    def _fit(self) -> tuple[float, float, float]:
-        priors = [self.prior_slope, self.prior_intercept, self.prior_per_z]
-        bounds = [self.slope_bounds, self.intercept_bounds, self.per_z_bounds]
-        # The ridge weight of each term, in units of one observation at its scale.
-        scale = [self.x_ref or 1.0, 1.0, self.z_ref or 1.0]
-        ridge = [self.prior_weight * v * v for v in scale]
+    def predict(self, x: Sequence[float]) -> float:
+        return sum(t * v for t, v in zip(self.rates(), x, strict=True))
+
+    def _fit(self) -> list[float]:
+        n = self.size
+        if self.observations == 0:
+            return self.prior[:]
+        # Unknown scales (a feature never seen non-zero) get a ridge of one unit.
+        scale = [s if s > 0 else 1.0 for s in self.scale]
+        ridge = [self.prior_weight * s * s for s in scale]
         fixed: dict[int, float] = {}
-        values = priors[:]
-        for _ in range(_TERMS):
-            free = [i for i in range(_TERMS) if i not in fixed]
-            matrix = [[self.sff[i][j] + (ridge[i] if i == j else 0.0) for j in free]
-                      for i in free]
-            rhs = [self.sfy[i] + ridge[i] * priors[i]
-                   - sum(self.sff[i][k] * v for k, v in fixed.items()) for i in free]
-            solved = _solve(matrix, rhs)
-            if solved is None:
-                return self.prior_slope, self.prior_intercept, self.prior_per_z
-            for i, value in zip(free, solved, strict=True):
-                values[i] = value
-            # Hold the first coefficient out of its bounds at the bound; re-fit the rest.
-            out = next((i for i in free if not bounds[i][0] <= values[i] <= bounds[i][1]),
-                       None)
-            if out is None:
+        values = self.prior[:]
+        for _ in range(n):
+            free = [i for i in range(n) if i not in fixed]
+            if not free:
                 break
-            fixed[out] = min(bounds[out][1], max(bounds[out][0], values[out]))
-            values[out] = fixed[out]
-        clamped = [min(b[1], max(b[0], v)) for v, b in zip(values, bounds, strict=True)]
-        return clamped[0], clamped[1], clamped[2]
+            # Solved for u_i = rate_i x scale_i (each feature's typical share of an
+            # observation, about 1): a well-conditioned system whatever the units.
+            matrix = [[(self.sxx[i][j] + (ridge[i] if i == j else 0.0)) / (scale[i] * scale[j])
+                       for j in free] for i in free]
+            rhs = [(self.sxy[i] + ridge[i] * self.prior[i]
+                    - sum(self.sxx[i][k] * v for k, v in fixed.items())) / scale[i]
+                   for i in free]
+            solved = solve(matrix, rhs)
+            if solved is None:
+                return self.prior[:]
+            for i, u in zip(free, solved, strict=True):
+                values[i] = u / scale[i]
+            out = [i for i in free if not self.bounds[i][0] <= values[i] <= self.bounds[i][1]]
+            if not out:
+                break
+            # Fix the coefficient furthest out of its range at the bound; re-fit the rest.
+            worst = max(out, key=lambda i: _distance(values[i], self.bounds[i]))
+            fixed[worst] = min(self.bounds[worst][1], max(self.bounds[worst][0], values[worst]))
+            values[worst] = fixed[worst]
+        return [min(hi, max(lo, v)) for v, (lo, hi) in zip(values, self.bounds, strict=True)]
 
-    def estimate(self) -> tuple[float, float]:
-        """(slope, intercept)."""
-        slope, intercept, _ = self.coefficients()
-        return slope, intercept
-
-    def predict(self, x: float, z: float = 0.0) -> float:
-        slope, intercept, per_z = self.coefficients()
-        return slope * x + intercept + per_z * z
-
-    def observe(self, x: float, y: float, weight: float = 1.0, z: float = 0.0) -> bool:
-        """Add an observation; False (and nothing) when it is not usable."""
-        usable = all(math.isfinite(v) for v in (x, y, z, weight))
-        if not usable or x <= 0 or y <= 0 or z < 0 or weight <= 0:
-            return False
-        predicted = max(self.predict(x, z), 1e-12)
-        ratio = abs(y - predicted) / predicted
+    def observe(self, x: Sequence[float], y: float, weight: float = 1.0,
+                typical: float | None = None) -> float | None:
+        """Add an observation; returns its relative residual against the fit before it
+        (out of sample), or None (and nothing) when it is not usable. `typical` is a
+        typical value of observations of its kind (default y itself): the squared error
+        counts relative to sqrt(y x typical), so a glitch that reads 10x too short does
+        not weigh 100x."""
+        values = [float(v) for v in x]
+        if len(values) != self.size:
+            raise ValueError(f"expected {self.size} features, got {len(values)}")
+        usable = all(math.isfinite(v) and v >= 0 for v in values) and any(values)
+        if not usable or not (math.isfinite(y) and y > 0) or not (
+                math.isfinite(weight) and weight > 0):
+            return None
+        predicted = max(self.predict(values), 1e-12)
+        ratio = (y - predicted) / predicted
+        log_ratio = math.log(y / predicted)
+        size = abs(log_ratio)  # symmetric: 10x too long as 10x too short
+        if size > math.log(self.drift_ratio):
+            sign = 1 if log_ratio > 0 else -1
+            self._run = self._run + sign if self._run * sign > 0 else sign
+        else:
+            self._run = 0
+        if abs(self._run) >= self.drift_run:
+            self.restart()
+            self.restarts += 1
         limit = max(self.huber_floor, 2.0 * self.spread)
         influence = 1.0
-        if self.since_reset >= self.warmup and ratio > limit:
-            influence = limit / ratio
-        self.spread = 0.9 * self.spread + 0.1 * min(ratio, 3.0 * limit)
+        if self.since_reset >= self.warmup and size > limit:
+            influence = limit / size
+        self.spread = 0.9 * self.spread + 0.1 * min(size, 3.0 * limit)
         decay = 0.5 ** (1.0 / self.half_life)
-        w = weight * influence
+        scale = y * (typical if typical is not None and typical > 0 else y)
+        w = weight * influence / scale
         self._solved = None
-        f = (x, 1.0, z)
-        for i in range(_TERMS):
-            self.sfy[i] = self.sfy[i] * decay + w * f[i] * y
-            for j in range(_TERMS):
-                self.sff[i][j] = self.sff[i][j] * decay + w * f[i] * f[j]
-        first = self.observations == 0
-        self.x_ref = x if first else 0.9 * self.x_ref + 0.1 * x
-        if z > 0:
-            self.z_ref = z if not self.z_ref else 0.9 * self.z_ref + 0.1 * z
+        for i in range(self.size):
+            self.sxy[i] = self.sxy[i] * decay + w * values[i] * y
+            row = self.sxx[i]
+            for j in range(self.size):
+                row[j] = row[j] * decay + w * values[i] * values[j]
+            relative = values[i] / math.sqrt(scale)
+            if relative > 0:
+                self.scale[i] = relative if self.scale[i] == 0 else (
+                    0.9 * self.scale[i] + 0.1 * relative)
         self.observations += 1
         self.since_reset += 1
-        return True
+        return ratio
 
-    def restart(self) -> None:
-        """The server changed under us: the current fit becomes the prior (what we knew)
+    def restart(self, prior: Sequence[float] | None = None) -> None:
+        """The server changed under us: the current fit (or `prior`) becomes the prior
         and the evidence starts over, the next observations counting fully."""
-        self.prior_slope, self.prior_intercept, self.prior_per_z = self.coefficients()
+        self.prior = list(prior) if prior is not None else self.rates()
         self._solved = None
-        self.sff = [[0.0] * _TERMS for _ in range(_TERMS)]
-        self.sfy = [0.0] * _TERMS
+        n = self.size
+        self.sxx = [[0.0] * n for _ in range(n)]
+        self.sxy = [0.0] * n
+        self.scale = [0.0] * n
         self.since_reset = 0
+        self.observations = 0
         self.spread = 0.2
+        self._run = 0
+
+
+def _distance(value: float, bounds: tuple[float, float]) -> float:
+    low, high = bounds
+    if value < low:
+        return (low - value) / max(abs(low), 1e-12)
+    return (value - high) / max(abs(high), 1e-12)

@@ -5,10 +5,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 from collections.abc import Callable
 from pathlib import Path
 
+from sidecar.calibration.store import CalibrationFileError, read_calibration
 from sidecar.cli.args import Parser, fraction, non_negative_int, positive_float, positive_int
 from sidecar.cli.model_source import read_model
 from sidecar.model import (
@@ -119,21 +119,14 @@ def gpu_from_args(args: argparse.Namespace) -> Gpu | None:
 
 
 def load_efficiency(path: Path | None) -> Efficiency | None:
+    """The efficiencies of a saved calibration, read and checked as `kvgate serve` reads
+    its own (`sidecar.calibration.read_calibration`)."""
     if path is None:
         return None
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ModelError(f"--calibration {path}: cannot read ({exc.strerror})") from exc
-    except json.JSONDecodeError as exc:
-        raise ModelError(f"--calibration {path}: not valid JSON ({exc.msg})") from exc
-    section = data.get("efficiency") if isinstance(data, dict) else None
-    if not isinstance(section, dict):
-        raise ModelError(f"--calibration {path}: no 'efficiency' object")
-    try:
-        return Efficiency.from_mapping(section)
-    except ValueError as exc:
-        raise ModelError(f"--calibration {path}: {exc}") from exc
+        return read_calibration(path).efficiency
+    except CalibrationFileError as exc:
+        raise ModelError(f"--calibration {exc}") from exc
 
 
 def deployment_from_args(args: argparse.Namespace) -> Deployment:

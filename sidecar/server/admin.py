@@ -139,10 +139,11 @@ async def plan(request: web.Request) -> web.Response:
 
 async def calibration(request: web.Request) -> web.Response:
     services = request.app[SERVICES]
-    if services.calibrator is None or services.served is None:
+    status = services.calibration_status()
+    if status is None:
         return error_response(404, "calibration is off or no model is known yet",
                               code="not_found")
-    return _json(services.calibrator.status(services.served))
+    return _json(status)
 
 
 def add_admin_routes(app: web.Application, *, introspection: bool) -> None:
