@@ -699,6 +699,28 @@ LAYOUT: list[tuple[Panel, int, int]] = [
         12,
         7,
     ),
+    (
+        timeseries(
+            "Server admission refusals",
+            "Requests the server's own admission refused (vLLM 0.29+: 503 for "
+            "--max-num-queued-reqs / --max-num-queued-tokens), by reason: those kvgate "
+            "forwarded (give kvgate the server's limits and this stays at 0) and all the "
+            "server refused, kvgate's traffic or not.",
+            [
+                target(
+                    f"sum by (reason) (rate(kvgate_upstream_refusals_total{{{K}}}[{RI}]))",
+                    "through kvgate: {{reason}}",
+                ),
+                target(
+                    f"sum by (reason) (rate(vllm:admission_rejections_total{{{V}}}[{RI}]))",
+                    "vLLM: {{reason}}",
+                ),
+            ],
+            unit="reqps",
+        ),
+        12,
+        7,
+    ),
     (row("vLLM server"), 24, 1),
     (
         timeseries(

@@ -23,6 +23,7 @@ from sidecar.admission.outcomes import (
 )
 from sidecar.admission.policies import QueueLimits
 from sidecar.admission.running import AdmissionRequest, Ticket
+from sidecar.admission.server_queue import ServerQueueLimits
 
 __all__ = [
     "FINAL_OUTCOMES",
@@ -42,6 +43,7 @@ __all__ = [
     "Rejected",
     "RequestCost",
     "Reservation",
+    "ServerQueueLimits",
     "ServerState",
     "Ticket",
 ]

@@ -12,7 +12,9 @@ Decision at arrival, in order:
    `never_fits`, naming the largest max_tokens that fits. A max_tokens beyond the
    context left is reserved as vLLM serves it: clamped (0.32 and later; releases that
    refuse it answer the client themselves);
-3. headroom now and nobody of the same or a more important band waiting -> admit;
+3. headroom now, room in the server's own queue limits (`server_queue`: vLLM's
+   --max-num-queued-reqs / --max-num-queued-tokens, when set) and nobody of the same or a
+   more important band waiting -> admit;
 4. queue full -> `queue_full`; predicted TTFT (wait + prefill) beyond the request's
    target -> `deadline`; else wait in the queue, until admitted, timed out
    (`queue_timeout`, or `deadline` once it can no longer make its target) or
@@ -50,6 +52,7 @@ from sidecar.admission.policies import (
 from sidecar.admission.prefix import PrefixPlan
 from sidecar.admission.queue import AdmissionQueue, Entry
 from sidecar.admission.running import AdmissionRequest, RunningSet, Ticket
+from sidecar.admission.server_queue import ServerQueueLimits
 from sidecar.admission.sharing import PromptSharing
 
 Clock = Callable[[], float]
@@ -75,6 +78,7 @@ class AdmissionSettings:
     retry_after_min_s: float = 1.0
     retry_after_max_s: float = 600.0
     unavailable_retry_after_s: float = 5.0
+    server_limits: ServerQueueLimits = field(default_factory=ServerQueueLimits)
 
     def __post_init__(self) -> None:
         if self.ordering not in ORDERINGS:
@@ -252,15 +256,20 @@ class AdmissionController:
             return None, Decision(Outcome.UNAVAILABLE, reason,
                                   self.settings.unavailable_retry_after_s)
         cost = self._cost(request)
-        never = self._never_fits(request, cost)
+        never = self._never_fits(request, cost) or self._never_admitted_upstream(request, cost)
         if never is not None:
             return cost, never
         band = min(max(request.band, 0), self.settings.priority_bands - 1)
         ahead = self.queue.waiting_ahead_of(band)
-        if ahead == 0 and self._fits_now(cost):
+        limit = self._server_refusal(request)
+        if ahead == 0 and self._fits_now(cost) and limit is None:
             return cost, None
+        blocked_by = (f"the KV cache has no room for {cost.kv_blocks} more blocks now"
+                      if limit is None or not self._fits_now(cost)
+                      else f"{self.settings.server_limits.describe(limit)} is reached")
         needed = self.queue.blocks_ahead_of(band) + cost.kv_blocks - self.ledger.headroom_blocks
-        wait_s = self._schedule_now().seconds_until(needed)
+        wait_s = max(self._schedule_now().seconds_until(needed),
+                     self._server_wait_s(request, ahead))
         # An infinite wait is an unknown one: nothing kvgate admitted is running to free
         # blocks, the room is taken by use the server reports (traffic that bypasses
         # kvgate, or a scrape from just before it finished). Such a request waits in the
@@ -271,19 +280,16 @@ class AdmissionController:
         if not self.settings.limits.has_room(len(self.queue)):
             return cost, Decision(
                 Outcome.QUEUE_FULL,
-                f"the queue is full ({len(self.queue)} waiting) and the KV cache has no room "
-                f"for {cost.kv_blocks} more blocks now",
+                f"the queue is full ({len(self.queue)} waiting) and {blocked_by}",
                 self._retry_after(wait_s),
                 details,
             )
-        # Deadlines are judged on the quantile the operator chose (--deadline-quantile).
-        deadline_ttft = wait_s + cost.deadline_prefill_s
-        if known and request.ttft_slo_s is not None and deadline_ttft > request.ttft_slo_s:
+        if known and request.ttft_slo_s is not None and predicted_ttft > request.ttft_slo_s:
             return cost, Decision(
                 Outcome.DEADLINE,
-                f"predicted time to first token {deadline_ttft:.2f} s exceeds the requested "
+                f"predicted time to first token {predicted_ttft:.2f} s exceeds the requested "
                 f"{request.ttft_slo_s:.2f} s ({ahead} requests waiting ahead)",
-                self._retry_after(max(0.0, deadline_ttft - request.ttft_slo_s)),
+                self._retry_after(max(0.0, predicted_ttft - request.ttft_slo_s)),
                 details,
             )
         if known and wait_s > self.settings.limits.max_wait_s:
@@ -294,7 +300,9 @@ class AdmissionController:
                 self._retry_after(wait_s - self.settings.limits.max_wait_s),
                 details,
             )
-        return cost, Decision(Outcome.QUEUED, "waiting for KV headroom", None, details)
+        waiting_for = ("KV headroom" if limit is None
+                       else f"room in {self.settings.server_limits.describe(limit)}")
+        return cost, Decision(Outcome.QUEUED, f"waiting for {waiting_for}", None, details)
 
     def _cost(self, request: AdmissionRequest) -> RequestCost:
         output = self.output_policy.reserve(
@@ -362,6 +370,67 @@ class AdmissionController:
     def _fits_now(self, cost: RequestCost) -> bool:
         return self.server.available and self.ledger.fits(cost.kv_blocks)
 
+    # ---- the server's own queue limits (vLLM's admission) -----------------------------
+
+    def server_queue(self) -> tuple[int, int]:
+        """(sequences, prompt tokens in prefill) of the requests kvgate forwarded that the
+        server still counts against its queue limits (`server_queue` module)."""
+        sequences = prefill_tokens = 0
+        for ticket in self._running:
+            sequences += ticket.request.sequences
+            if ticket.first_token_s is None:
+                prefill_tokens += ticket.request.prompt_tokens * ticket.request.sequences
+        return sequences, prefill_tokens
+
+    def _server_refusal(self, request: AdmissionRequest) -> str | None:
+        """The server's limit that would refuse `request` if it were sent now, or None."""
+        limits = self.settings.server_limits
+        if not limits.active:
+            return None
+        sequences, prefill_tokens = self.server_queue()
+        return limits.refusal(sequences, prefill_tokens, request.sequences)
+
+    def _never_admitted_upstream(self, request: AdmissionRequest,
+                                 cost: RequestCost) -> Decision | None:
+        limits = self.settings.server_limits
+        reason = limits.never_admits(request.sequences)
+        if reason is None:
+            return None
+        return Decision(
+            Outcome.NEVER_FITS,
+            f"{request.sequences} sequences (n / best_of, prompts) are more than "
+            f"{limits.describe(reason)} lets in at once: the server refuses the request "
+            "however idle it is",
+            None,
+            self._details(cost, server_limit=reason),
+        )
+
+    def _server_wait_s(self, request: AdmissionRequest, ahead: int) -> float:
+        """Predicted time until the server's queue limits take `request` behind the
+        `ahead` requests waiting before it: running requests finish (request count) and
+        prompts prefill (prompt tokens); 0 without limits, inf when unknown."""
+        limits = self.settings.server_limits
+        if not limits.active:
+            return 0.0
+        now = self.clock()
+        tickets = list(self._running)
+        sequences, prefill_tokens = self.server_queue()
+        wait_s = 0.0
+        if limits.max_requests is not None:
+            excess = sequences + ahead + request.sequences - limits.max_requests
+            finishes = sorted((view.finish_in_s, ticket.request.sequences)
+                              for ticket, view in zip(tickets, self.running_requests(),
+                                                      strict=True))
+            wait_s = _time_until(finishes, excess)
+        if limits.max_prefill_tokens is not None:
+            prefills = sorted(
+                (max(0.0, t.admitted_s + t.cost.prefill_s - now),
+                 t.request.prompt_tokens * t.request.sequences)
+                for t in tickets if t.first_token_s is None)
+            excess = prefill_tokens - limits.max_prefill_tokens + 1
+            wait_s = max(wait_s, _time_until(prefills, excess))
+        return wait_s
+
     # ---- waiting -------------------------------------------------------------------------
 
     async def _wait_in_queue(
@@ -382,7 +451,7 @@ class AdmissionController:
         ))
         timeout = self.settings.limits.max_wait_s
         if deadline is not None:
-            timeout = min(timeout, max(0.0, deadline - now - cost.deadline_prefill_s))
+            timeout = min(timeout, max(0.0, deadline - now - cost.prefill_s))
         try:
             result = await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:
@@ -419,7 +488,7 @@ class AdmissionController:
             self.ledger.headroom_blocks)
         retry = self._retry_after(self._schedule_now().seconds_until(needed))
         details = self._details(cost, waited_s=round(waited, 3))
-        if deadline is not None and now + cost.deadline_prefill_s >= deadline - 1e-9 and (
+        if deadline is not None and now + cost.prefill_s >= deadline - 1e-9 and (
             waited < self.settings.limits.max_wait_s
         ):
             return Decision(
@@ -450,7 +519,7 @@ class AdmissionController:
             # What the head is charged now: the blocks it shares may have changed.
             charge = (self._charge(head.request, head.cost) if head.request.block_keys
                       else head.cost.kv_blocks)
-            if not self.ledger.fits(charge):
+            if not self.ledger.fits(charge) or self._server_refusal(head.request) is not None:
                 return
             popped = self.queue.pop(now)
             assert popped is entry
@@ -538,7 +607,8 @@ class AdmissionController:
 
     def _prefilled(self, ticket: Ticket) -> None:
         """Its first token came: the server has filled (and cached) its prompt blocks."""
-        if self.sharing.prefilled(ticket.reservation):
+        shared = self.sharing.prefilled(ticket.reservation)
+        if shared or self.settings.server_limits.max_prefill_tokens is not None:
             self._dispatch()
 
     def _progressed(self, ticket: Ticket, added_tokens: int) -> None:
@@ -720,6 +790,16 @@ class AdmissionController:
             })
         return states
 
+    def _server_queue_state(self) -> dict[str, object]:
+        limits = self.settings.server_limits
+        sequences, prefill_tokens = self.server_queue()
+        return {
+            "max_num_queued_reqs": limits.max_requests,
+            "max_num_queued_tokens": limits.max_prefill_tokens,
+            "requests": sequences,
+            "prefill_tokens": prefill_tokens,
+        }
+
     @property
     def inflight(self) -> int:
         return len(self._running)
@@ -762,6 +842,7 @@ class AdmissionController:
                 "by_band_and_tenant": self.queue.summary(),
             },
             "inflight": len(self._running),
+            "server_queue": self._server_queue_state(),
             "forecast": {
                 "peak_blocks": forecast.peak_blocks,
                 "peak_ratio": forecast.peak_ratio,
@@ -769,3 +850,15 @@ class AdmissionController:
                 else forecast.exhaustion_s,
             },
         }
+
+def _time_until(releases: list[tuple[float, int]], needed: int) -> float:
+    """Time until the releases (time, amount; sorted by time) add up to `needed`:
+    0 if nothing is needed, inf if they never do."""
+    if needed <= 0:
+        return 0.0
+    released = 0
+    for at_s, amount in releases:
+        released += amount
+        if released >= needed:
+            return at_s
+    return math.inf
