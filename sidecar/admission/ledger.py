@@ -17,6 +17,15 @@ Headroom reconciles what kvgate reserved with what the server reports it really
 uses: the effective use is the larger of the reservations and the observed use
 plus the growth still to come for the running requests (prefix-cache hits make the
 observed use lower; traffic that bypasses the sidecar makes it higher).
+
+Data parallelism (`engines` > 1, vLLM's --data-parallel-size): every engine has its
+own pool of `capacity_blocks` blocks and a request runs on one engine, so it must fit
+in one engine's headroom; it never spans pools. A reservation is placed on an engine
+(`Reservation.engine`): the one already holding most of its shared prompt blocks
+(prefix caching is per engine), then the one with the most headroom. Shared prompt
+blocks are counted per engine. The placement only holds if the request is sent to
+that engine (vLLM's `X-data-parallel-rank` header): vLLM's own balancer picks engines
+by load, not by KV room. The observed use is read as the engines' average.
 """
 
 from __future__ import annotations
@@ -30,11 +39,11 @@ class LedgerError(RuntimeError):
 
 
 class Reservation:
-    __slots__ = ("_filled", "_ledger", "_released", "blocks", "key", "keys",
+    __slots__ = ("_filled", "_ledger", "_released", "blocks", "engine", "key", "keys",
                  "worst_case_blocks")
 
     def __init__(self, ledger: Ledger, key: int, blocks: int, worst_case_blocks: int,
-                 keys: tuple[bytes, ...] = ()) -> None:
+                 keys: tuple[bytes, ...] = (), engine: int = 0) -> None:
         self._ledger = ledger
         self._released = False
         self._filled = False
@@ -42,6 +51,7 @@ class Reservation:
         self.blocks = blocks  # its own, not counting the shared prompt blocks
         self.worst_case_blocks = worst_case_blocks
         self.keys = keys  # shared prompt blocks it holds a reference on
+        self.engine = engine  # the data-parallel engine whose pool it draws on
 
     @property
     def filled(self) -> bool:
@@ -90,61 +100,100 @@ class LedgerSnapshot:
     reservations: int
     overcommit_blocks: int
     held_prompt_blocks: int = 0
+    engine_used_blocks: tuple[int, ...] = ()  # effective use per engine (DP > 1)
 
 
 class Ledger:
-    def __init__(self, capacity_blocks: int, target_ratio: float = 0.95) -> None:
+    def __init__(self, capacity_blocks: int, target_ratio: float = 0.95,
+                 engines: int = 1) -> None:
+        """`capacity_blocks` is one engine's pool; `engines` the data-parallel size."""
         if not 0.0 < target_ratio <= 1.0:
             raise ValueError(f"KV target ratio must be in (0, 1], got {target_ratio}")
         if capacity_blocks < 0:
             raise ValueError("KV capacity cannot be negative")
+        if engines < 1:
+            raise ValueError(f"the data-parallel size must be at least 1, got {engines}")
         self.capacity_blocks = capacity_blocks
         self.target_ratio = target_ratio
+        self.engines = engines
         self._keys = itertools.count(1)
         self._held: dict[int, Reservation] = {}
         self._reserved = 0
+        self._reserved_by_engine = [0] * engines
         self._overcommit = 0
         self.observed_used_blocks: int | None = None
         self.observed_growth_blocks = 0
         self.blocks_per_key = 1
         self._holders: dict[bytes, int] = {}
+        self._engine_holders: list[dict[bytes, int]] = [{} for _ in range(engines)]
 
     # ---- reservations --------------------------------------------------------------
 
     def reserve(self, blocks: int, worst_case_blocks: int | None = None,
-                keys: tuple[bytes, ...] = ()) -> Reservation:
+                keys: tuple[bytes, ...] = (), engine: int | None = None) -> Reservation:
+        """Hold `blocks` blocks (plus references on `keys`) on `engine`, or on the
+        engine `place` picks (the one with the most headroom when none fits)."""
         if blocks < 0:
             raise LedgerError("cannot reserve negative blocks")
         if len(set(keys)) != len(keys):
             raise LedgerError("a reservation holds each shared block once")
+        if engine is None and self.engines == 1:
+            engine = 0
+        elif engine is None:
+            engine = self.place(blocks, keys)
+            if engine is None:
+                engine = max(range(self.engines), key=self._engine_headroom)
+        if not 0 <= engine < self.engines:
+            raise LedgerError(f"engine {engine} is not one of the {self.engines} engines")
         worst = blocks if worst_case_blocks is None else max(blocks, worst_case_blocks)
-        reservation = Reservation(self, next(self._keys), blocks, worst, keys)
+        reservation = Reservation(self, next(self._keys), blocks, worst, keys, engine)
         self._held[reservation.key] = reservation
         self._reserved += blocks
+        self._reserved_by_engine[engine] += blocks
         self._overcommit += worst - blocks
+        holders = self._engine_holders[engine]
         for key in keys:
             self._holders[key] = self._holders.get(key, 0) + 1
+            holders[key] = holders.get(key, 0) + 1
         return reservation
+
+    def place(self, blocks: int, keys: tuple[bytes, ...] = ()) -> int | None:
+        """The engine a request of `blocks` own blocks and shared prompt blocks `keys`
+        fits on now, or None: among those where it fits (its own blocks plus the
+        prompt blocks that engine does not hold yet), the one holding most of its
+        prompt blocks, then the one with the most headroom, then the lowest index."""
+        best: tuple[int, int, int] | None = None
+        for engine in range(self.engines):
+            holders = self._engine_holders[engine]
+            held = sum(1 for key in keys if key in holders)
+            charge = blocks + (len(keys) - held) * self.blocks_per_key
+            headroom = self._engine_headroom(engine)
+            if charge <= headroom and (best is None or (held, headroom) > best[:2]):
+                best = (held, headroom, engine)
+        return None if best is None else best[2]
 
     def _settle(self, reservation: Reservation) -> None:
         if self._held.pop(reservation.key, None) is not reservation:
             raise LedgerError(f"{reservation!r} is not held by this ledger")
         self._reserved -= reservation.blocks
+        self._reserved_by_engine[reservation.engine] -= reservation.blocks
         self._overcommit -= reservation.worst_case_blocks - reservation.blocks
-        for key in reservation.keys:
-            left = self._holders[key] - 1
-            if left < 0:
-                raise LedgerError("a shared block was released more often than held")
-            if left:
-                self._holders[key] = left
-            else:
-                del self._holders[key]
+        for holders in (self._holders, self._engine_holders[reservation.engine]):
+            for key in reservation.keys:
+                left = holders[key] - 1
+                if left < 0:
+                    raise LedgerError("a shared block was released more often than held")
+                if left:
+                    holders[key] = left
+                else:
+                    del holders[key]
 
     def _adjust(self, reservation: Reservation, blocks: int) -> None:
         if self._held.get(reservation.key) is not reservation:
             raise LedgerError(f"{reservation!r} is not held by this ledger")
         self._overcommit -= reservation.worst_case_blocks - reservation.blocks
         self._reserved += blocks - reservation.blocks
+        self._reserved_by_engine[reservation.engine] += blocks - reservation.blocks
         reservation.blocks = blocks
         reservation.worst_case_blocks = max(reservation.worst_case_blocks, blocks)
         self._overcommit += reservation.worst_case_blocks - blocks
@@ -164,17 +213,20 @@ class Ledger:
     # ---- questions -----------------------------------------------------------------
 
     def holders(self, key: bytes) -> int:
-        """Admitted requests holding this prompt block."""
+        """Admitted requests holding this prompt block (on any engine)."""
         return self._holders.get(key, 0)
 
     @property
     def held_prompt_blocks(self) -> int:
-        """Distinct prompt blocks held by reference (each counted once), in blocks."""
-        return len(self._holders) * self.blocks_per_key
+        """Distinct prompt blocks held by reference (each counted once per engine that
+        holds it), in blocks."""
+        return self.shared_keys * self.blocks_per_key
 
     @property
     def shared_keys(self) -> int:
-        return len(self._holders)
+        if self.engines == 1:
+            return len(self._holders)
+        return sum(len(holders) for holders in self._engine_holders)
 
     @property
     def reserved_blocks(self) -> int:
@@ -195,13 +247,29 @@ class Ledger:
 
     @property
     def effective_used_blocks(self) -> int:
+        """What the engine with the most headroom effectively uses (the only engine
+        with data parallelism 1)."""
+        if self.engines > 1:
+            return self._engine_used(max(range(self.engines), key=self._engine_headroom))
         reserved = self.reserved_blocks
         if self.observed_used_blocks is None:
             return reserved
         return max(reserved, self.observed_used_blocks + self.observed_growth_blocks)
 
+    def _engine_used(self, engine: int) -> int:
+        reserved = (self._reserved_by_engine[engine]
+                    + len(self._engine_holders[engine]) * self.blocks_per_key)
+        if self.observed_used_blocks is None:
+            return reserved
+        growth = -(-self.observed_growth_blocks // self.engines)
+        return max(reserved, self.observed_used_blocks + growth)
+
+    def _engine_headroom(self, engine: int) -> int:
+        return self.target_blocks - self._engine_used(engine)
+
     @property
     def headroom_blocks(self) -> int:
+        """The most one request can get now: one engine's headroom, never the sum."""
         return self.target_blocks - self.effective_used_blocks
 
     def fits(self, blocks: int) -> bool:
@@ -221,4 +289,6 @@ class Ledger:
             reservations=len(self._held),
             overcommit_blocks=self._overcommit,
             held_prompt_blocks=self.held_prompt_blocks,
+            engine_used_blocks=(tuple(self._engine_used(e) for e in range(self.engines))
+                                if self.engines > 1 else ()),
         )
