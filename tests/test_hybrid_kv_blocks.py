@@ -1,6 +1,7 @@
 """Blocks one request costs on the layer kinds vLLM 0.32 allocates differently from
-plain attention: MLA + DSA indexer (64-token blocks), Mamba-2 / gated-delta-net hybrids
-(state groups of 1 or 2 blocks per request, raised attention blocks), and the choices
+plain attention: MLA + DSA indexer (64-token blocks), DeepSeek-V4 (caches with their
+own block sizes in packed groups), Mamba-2 / gated-delta-net hybrids (state groups of
+1 or 2 blocks per request, raised attention blocks), MTP drafter layers, and the choices
 that depend on the GPU or the server's flags. The figures are vLLM's planner's
 (tests/test_vllm_planner_capacity.py checks them against it)."""
 
@@ -137,3 +138,43 @@ def test_a_reported_fp8_ds_mla_cache_keeps_its_layout_on_any_gpu() -> None:
     # vLLM reports the cache dtype it rewrote (cache_config_info's cache_dtype).
     reported = served("deepseek-ai__DeepSeek-V3.2-Exp", "B200", kv_cache_dtype="fp8_ds_mla")
     assert reported.kv_bytes_per_token == 61 * (656 + 132)
+
+
+def test_an_mtp_drafter_adds_its_full_attention_layers() -> None:
+    budget = 40 * 1024**3
+    plain = served("Qwen__Qwen3-Next-80B-A3B-Instruct", tp=2, num_speculative_tokens=2,
+                   available_kv_bytes=budget)
+    mtp = served("Qwen__Qwen3-Next-80B-A3B-Instruct", tp=2, num_speculative_tokens=2,
+                 speculative_method="mtp", available_kv_bytes=budget)
+    kinds = [spec.kind for spec in mtp.kv_specs]
+    assert kinds.count("full") == [s.kind for s in plain.kv_specs].count("full") + 1
+    assert kinds[-1] == "full"  # the drafter's layer comes after the backbone's
+    # 13 attention layers instead of 12 make groups of 13 layers: a block holds 13
+    # pages instead of 12, so fewer blocks fit.
+    assert mtp.layout.bytes_per_block * 12 == plain.layout.bytes_per_block * 13
+    assert mtp.capacity is not None and plain.capacity is not None
+    assert 0 < mtp.capacity.num_blocks < plain.capacity.num_blocks
+
+
+def test_speculative_methods_kvgate_cannot_model_are_refused() -> None:
+    with pytest.raises(DeploymentError, match="MTP layers of"):
+        served("nvidia__NVIDIA-Nemotron-Nano-9B-v2", num_speculative_tokens=2,
+               speculative_method="mtp")
+    with pytest.raises(DeploymentError, match="needs --num-speculative-tokens"):
+        served("Qwen__Qwen3.5-9B", speculative_method="mtp")
+    with pytest.raises(DeploymentError, match="must be one of ngram, mtp"):
+        served("Qwen__Qwen3.5-9B", num_speculative_tokens=2, speculative_method="eagle3")
+
+
+def test_deepseek_v4_caches_and_their_blocks() -> None:
+    v4 = served("deepseek-ai__DeepSeek-V4-Flash", max_model_len=131_072)
+    assert v4.block_size == 256
+    groups = sorted((g.block_size, g.spec.kind) for g in v4.layout.groups)
+    assert groups == [(4, "compressor state"), (8, "compressor state"), (64, "window"),
+                      (64, "window"), (256, "indexer+compressed")]
+    # A 1,000-token prompt + 200 output tokens: 5 blocks of 256 latent tokens, the
+    # windows capped by the in-flight tokens, one step of 1,200 tokens.
+    assert v4.blocks_for_request(1200) == cdiv(1200, 256) + 2 * cdiv(1200, 64) + (
+        cdiv(1200, 4) + cdiv(1200, 8))
+    with pytest.raises(DeploymentError, match="fp8_ds_mla"):
+        served("deepseek-ai__DeepSeek-V4-Flash", kv_cache_dtype="bfloat16")

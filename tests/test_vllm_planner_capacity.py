@@ -57,6 +57,7 @@ class Setting:
     num_speculative_tokens: int = 0
     mamba_ssm_cache_dtype: str = "auto"
     attention_backend: str | None = None
+    speculative_method: str | None = None
 
     @property
     def id(self) -> str:
@@ -71,6 +72,8 @@ class Setting:
             parts.append(f"ssm-{self.mamba_ssm_cache_dtype}")
         if self.attention_backend:
             parts.append(self.attention_backend.lower())
+        if self.speculative_method:
+            parts.append(self.speculative_method)
         return "-".join(parts)
 
 
@@ -98,6 +101,8 @@ def _matrix() -> list[Setting]:
         settings.append(Setting(model, 1_048_576, "auto", 4, prefix_caching=False))
         settings.append(Setting(model, 131_072, "auto", 1, block_size=512))
         settings.append(Setting(model, 65_536, "bfloat16", 1, attention_backend=FLASHINFER_V4))
+        settings.append(Setting(model, 131_072, "auto", 8, num_speculative_tokens=3,
+                                speculative_method="mtp"))
     for model in HYBRIDS:
         for length in (8_192, 131_072):
             for dtype in ("auto", "fp8"):
@@ -105,6 +110,10 @@ def _matrix() -> list[Setting]:
                     for prefix in (True, False):
                         settings.append(Setting(model, length, dtype, tp, prefix))
         settings.append(Setting(model, 32_768, "auto", 2, num_speculative_tokens=2))
+        if model != HYBRIDS[-1]:  # Nemotron-H: no MTP drafter modelled
+            for prefix in (True, False):
+                settings.append(Setting(model, 32_768, "auto", 2, prefix,
+                                        num_speculative_tokens=2, speculative_method="mtp"))
         settings.append(Setting(model, 32_768, "auto", 2, block_size=64))
         settings.append(Setting(model, 32_768, "auto", 1, mamba_ssm_cache_dtype="bfloat16"))
     return settings
@@ -128,6 +137,7 @@ def vllm_plans() -> dict[str, dict[str, Any]]:
          "num_speculative_tokens": s.num_speculative_tokens,
          "mamba_ssm_cache_dtype": s.mamba_ssm_cache_dtype,
          "attention_backend": s.attention_backend,
+         "speculative_method": s.speculative_method,
          "available_bytes": BUDGET, "max_num_batched_tokens": 8192}
         for s in MATRIX
     ]
@@ -148,6 +158,7 @@ def kvgate(setting: Setting) -> ServedModel:
         num_speculative_tokens=setting.num_speculative_tokens,
         mamba_ssm_cache_dtype=setting.mamba_ssm_cache_dtype,
         attention_backend=setting.attention_backend,
+        speculative_method=setting.speculative_method,
     )
     return ServedModel(arch, deployment, gpu_of_capability(setting.capability))
 

@@ -26,6 +26,7 @@ from sidecar.model.served import (
     ATTENTION_BACKENDS,
     KV_CACHE_DTYPES,
     MAMBA_CACHE_MODES,
+    SPECULATIVE_METHODS,
     STATE_DTYPES,
 )
 from sidecar.model.units import GIB
@@ -85,6 +86,10 @@ def add_served_model_args(parser: Parser) -> None:
     vllm.add_argument("--num-speculative-tokens", type=non_negative_int, default=0,
                       metavar="N", help="speculative tokens per step (MTP / EAGLE): more "
                       "state blocks per request on Mamba hybrids (default: 0)")
+    vllm.add_argument("--speculative-method", choices=SPECULATIVE_METHODS, metavar="METHOD",
+                      help="the drafter of speculative decoding: mtp (the model's own MTP "
+                           "layers, whose KV caches join the model's) or ngram (no KV "
+                           "layers) (default: a drafter without KV layers)")
     vllm.add_argument("--data-parallel-size", type=positive_int, default=1, metavar="N",
                       help="engines behind one server, each with its own KV pool; the "
                            "capacity figures are per engine (default: 1)")
@@ -148,6 +153,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         num_speculative_tokens=args.num_speculative_tokens,
         data_parallel_size=args.data_parallel_size,
         attention_backend=args.attention_backend,
+        speculative_method=args.speculative_method,
     )
 
 

@@ -70,6 +70,8 @@ class KVSettings:
       --mamba-ssm-cache-dtype resolved to bytes (None: auto);
     - `state_blocks_per_request`, `state_block_tokens`: from the mamba cache mode;
     - `speculative_tokens`: --num-speculative-tokens (widens the conv state);
+    - `mtp_drafter`: the drafter is the model's own MTP layers, whose caches join the
+      target's (--speculative-config method mtp);
     - `v4_ds_layout`: DeepSeek-V4's attention backend stores its caches as fp8_ds_mla
       (FlashMLA, vLLM's default on every CUDA GPU; FlashInfer on SM12x) rather than
       plain bf16 / fp8 rows (--attention-backend FLASHINFER_MLA_SPARSE_DSV4).
@@ -86,6 +88,7 @@ class KVSettings:
     state_block_tokens: int | None = None
     speculative_tokens: int = 0
     v4_ds_layout: bool = True
+    mtp_drafter: bool = False
 
 
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "float": 4, "half": 2}
@@ -517,6 +520,9 @@ class ModelArchitecture:
     # GPU generations (compute capability majors) on which vLLM serves this family's
     # KV cache in fp8 when --kv-cache-dtype is auto (GLM-5 on Blackwell).
     fp8_kv_default_on: tuple[int, ...] = ()
+    # The attention of the MTP layers vLLM loads as the drafter of speculative
+    # decoding with method mtp (their caches count in the KV pool); () when unknown.
+    drafter_mixers: tuple[GqaAttention | MlaAttention | CompressedAttention, ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -578,10 +584,14 @@ class ModelArchitecture:
         )
 
     def kv_specs(self, settings: KVSettings) -> list[KVSpec]:
-        """One spec per cache-holding layer on one TP rank, in layer order."""
+        """One spec per cache-holding layer on one TP rank, in layer order; the MTP
+        drafter's layers after the backbone's when it is the drafter."""
         specs: list[KVSpec] = []
         for layer in self.layers:
             specs.extend(layer.mixer.kv_specs(settings))
+        if settings.mtp_drafter:
+            for mixer in self.drafter_mixers:
+                specs.extend(mixer.kv_specs(settings))
         return specs
 
     def tp_error(self, tp: int) -> str | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +122,7 @@ def parse_config(raw: Config, name: str = "model") -> ModelArchitecture:
     ]
     layers = tuple(Layer(mixer, mlp) for mixer, mlp in zip(mixers, mlps, strict=True))
     return ModelArchitecture(
+        drafter_mixers=_mtp_mixers(reader, hidden, num_layers, model_type),
         name=name,
         model_type=model_type,
         hidden_size=hidden,
@@ -343,6 +345,38 @@ def _mixer(
         o_bias=r.flag("attention_bias") and model_type == "gpt_oss",
         shared_kv=kind == FULL and r.flag("attention_k_eq_v"),
     )
+
+
+def _mtp_mixers(r: _Reader, hidden: int, num_layers: int,
+                model_type: str) -> tuple[GqaAttention | MlaAttention | CompressedAttention, ...]:
+    """The attention of the model's MTP (next-token prediction) layers, which vLLM
+    loads as the drafter with --speculative-config method mtp: DeepSeek / GLM
+    (`num_nextn_predict_layers` decoder layers after the backbone: MLA with an indexer
+    for DSA, whatever IndexShare says; DeepSeek-V4 with compress ratio 1, a
+    sliding-window cache only), Qwen3-Next (`num_nextn_predict_layers`, default 1) and
+    Qwen3.5 (`mtp_num_hidden_layers`, default 1) full-attention layers. Others: none
+    known."""
+    cfg = r.cfg
+    if cfg.get("compress_ratios") is not None:
+        count = r.int_or(0, "num_nextn_predict_layers")
+        return tuple(_compressed(r, hidden, 0) for _ in range(count))
+    if cfg.get("kv_lora_rank"):
+        count = r.int_or(0, "num_nextn_predict_layers")
+        return tuple(replace(_mla(r, hidden, num_layers + i), indexer_cache=True)
+                     for i in range(count))
+    if model_type.startswith("qwen3_next"):
+        count = r.int_or(1, "num_nextn_predict_layers")
+    elif model_type.startswith("qwen3_5"):
+        count = r.int_or(1, "mtp_num_hidden_layers")
+    else:
+        return ()
+    return tuple(_full_attention(r, hidden, num_layers + i, model_type) for i in range(count))
+
+
+def _full_attention(r: _Reader, hidden: int, index: int, model_type: str) -> GqaAttention:
+    mixer = _mixer(r, hidden, FULL, index, model_type)
+    assert isinstance(mixer, GqaAttention)
+    return mixer
 
 
 def _has_indexer_cache(cfg: Config, index: int) -> bool:

@@ -36,6 +36,9 @@ MAMBA_CACHE_MODES = ("align", "none")
 # --attention-backend values that change a KV cache layout kvgate models: DeepSeek-V4's
 # FlashInfer backend stores plain bf16 / fp8 rows instead of fp8_ds_mla (not on SM12x).
 ATTENTION_BACKENDS = ("FLASHMLA_SPARSE_DSV4", "FLASHINFER_MLA_SPARSE_DSV4")
+# Speculative decoding methods whose drafter KV kvgate models: n-gram (no layers of its
+# own) and mtp (the model's own MTP layers, whose caches join the target's).
+SPECULATIVE_METHODS = ("ngram", "mtp")
 STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -61,6 +64,7 @@ class Deployment:
     num_speculative_tokens: int = 0
     data_parallel_size: int = 1  # engines, each with its own KV pool
     attention_backend: str | None = None  # None: vLLM's choice for the GPU
+    speculative_method: str | None = None  # None: a drafter without KV layers (n-gram)
 
     @property
     def resolved_mamba_cache_mode(self) -> str:
@@ -112,6 +116,18 @@ class Deployment:
             raise DeploymentError(
                 f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)} "
                 f"(the backends whose KV layout kvgate models), got {self.attention_backend!r}")
+        if self.speculative_method is not None:
+            if self.speculative_method not in SPECULATIVE_METHODS:
+                raise DeploymentError(
+                    f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)} "
+                    "(the drafters whose KV layers kvgate models), got "
+                    f"{self.speculative_method!r}")
+            if self.num_speculative_tokens == 0:
+                raise DeploymentError("--speculative-method needs --num-speculative-tokens")
+            if self.speculative_method == "mtp" and not arch.drafter_mixers:
+                raise DeploymentError(
+                    f"--speculative-method mtp: kvgate does not know the MTP layers of "
+                    f"{arch.name} ({arch.model_type})")
         error = arch.tp_error(self.tp)
         if error is not None:
             raise DeploymentError(error)
@@ -238,6 +254,7 @@ class ServedModel:
             state_block_tokens=None if align else self.max_model_len,
             speculative_tokens=spec_tokens,
             v4_ds_layout=self._v4_ds_layout,
+            mtp_drafter=deployment.speculative_method == "mtp",
         )
 
     @property

@@ -103,6 +103,8 @@ def _cache_config(s: dict[str, Any]) -> _Namespace:
 
 def _vllm_config(s: dict[str, Any], hf: SimpleNamespace) -> _Namespace:
     spec_tokens = s.get("num_speculative_tokens", 0)
+    method = s.get("speculative_method") or "ngram"
+    eagle = method == "mtp"  # SpeculativeConfig.use_eagle
     model = _Namespace(
         hf_config=hf, hf_text_config=hf, max_model_len=s["max_model_len"],
         dtype=STR_DTYPE_TO_TORCH_DTYPE[s.get("dtype", "bfloat16")],
@@ -117,11 +119,11 @@ def _vllm_config(s: dict[str, Any], hf: SimpleNamespace) -> _Namespace:
         scheduler_config=_Namespace(disable_hybrid_kv_cache_manager=False,
                                     enable_chunked_prefill=True),
         attention_config=_Namespace(hisparse_config=None),
-        # A drafter without KV layers of its own (n-gram): MTP / EAGLE drafters add
-        # attention layers, which kvgate does not model.
-        speculative_config=(_Namespace(num_speculative_tokens=spec_tokens, method="ngram",
-                                       use_eagle=lambda: False,
-                                       use_eagle_block_drop=lambda: False)
+        # n-gram: a drafter without KV layers; mtp: the model's MTP layers, whose specs
+        # `_mtp_specs` adds after the backbone's, as the drafter registers them.
+        speculative_config=(_Namespace(num_speculative_tokens=spec_tokens, method=method,
+                                       use_eagle=lambda: eagle,
+                                       use_eagle_block_drop=lambda: eagle)
                             if spec_tokens else None),
         num_speculative_tokens=spec_tokens,
         max_in_flight_tokens=batched,
@@ -156,8 +158,10 @@ def _sparse_mla_specs(vc: _Namespace, s: dict[str, Any]) -> dict[str, KVCacheSpe
     offset = getattr(hf, "index_skip_topk_offset", 2)
     index_head = hf.index_head_dim
     specs: dict[str, KVCacheSpec] = {}
-    for layer in range(hf.num_hidden_layers):
-        if pattern is None:
+    for layer in range(hf.num_hidden_layers + _mtp_layers(s, hf)):
+        if layer >= hf.num_hidden_layers:
+            skip = False  # MTP layers always build an indexer (DeepseekV2MLAAttention)
+        elif pattern is None:
             skip = max(layer - offset + 1, 0) % freq != 0
         else:
             skip = layer < len(pattern) and pattern[layer] == "S"
@@ -212,9 +216,10 @@ def _dsv4_specs(vc: _Namespace, s: dict[str, Any]) -> dict[str, KVCacheSpec]:
     index_head = hf.index_head_dim
     layers: dict[str, Any] = vc.compilation_config.static_forward_context
     with set_current_vllm_config(vc):
-        for i in range(hf.num_hidden_layers):
+        for i in range(hf.num_hidden_layers + _mtp_layers(s, hf)):
             prefix = f"model.layers.{i}.attn"
-            ratio = max(1, hf.compress_ratios[i])
+            # MTP layers (after the backbone) run with compress ratio 1.
+            ratio = max(1, hf.compress_ratios[i]) if i < hf.num_hidden_layers else 1
             if ratio == 4:  # DeepseekV4Indexer: its key cache, then its compressor
                 fp4 = dsa_indexer_uses_fp4(vc)
                 k_head = (index_head // 2 + index_head // 32 if fp4
@@ -329,7 +334,27 @@ def _hybrid_specs(vc: _Namespace, s: dict[str, Any]) -> dict[str, KVCacheSpec]:
                 page_size_padded=cache.mamba_page_size_padded, mamba_type=mamba_type,
                 mamba_cache_mode=cache.mamba_cache_mode,
                 num_speculative_blocks=vc.num_speculative_tokens)
+    for i in range(_mtp_layers(s, hf)):  # Qwen3NextMTP / Qwen3_5MTP: full attention
+        specs[f"mtp.layers.{i}.self_attn.attn"] = FullAttentionSpec(
+            block_size=cache.block_size, num_kv_heads=kv_heads, head_size=head,
+            dtype=kv_dtype, kv_quant_mode=quant)
     return specs
+
+
+def _mtp_layers(s: dict[str, Any], hf: SimpleNamespace) -> int:
+    """Layers of the MTP drafter (its model class's own count)."""
+    if s.get("speculative_method") != "mtp":
+        return 0
+    if _opt(hf, "hybrid_override_pattern"):
+        raise ValueError("no MTP drafter modelled for Nemotron-H")
+    if "Qwen3_5" in (_opt(hf, "architectures") or ["?"])[0]:
+        return int(getattr(hf, "mtp_num_hidden_layers", 1))  # Qwen3_5MTP
+    if _opt(hf, "model_type") == "qwen3_next":
+        return int(getattr(hf, "num_nextn_predict_layers", 1))  # Qwen3NextMTP
+    count = _opt(hf, "num_nextn_predict_layers")  # DeepSeekMTP, DeepSeekV4MTP
+    if count is None:
+        raise ValueError("the config names no num_nextn_predict_layers")
+    return int(count)
 
 
 def _hf_config(raw: dict[str, Any]) -> SimpleNamespace:
