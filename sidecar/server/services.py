@@ -385,6 +385,8 @@ class Services:
             mamba_ssm_cache_dtype=self.settings.mamba_ssm_cache_dtype,
             num_speculative_tokens=self.settings.num_speculative_tokens,
             data_parallel_size=self.settings.data_parallel_size,
+            speculative_method=self.settings.speculative_method,
+            attention_backend=self.settings.attention_backend,
         )
         try:
             served = ServedModel(arch, deployment, self.gpu or GENERIC_DEVICE)

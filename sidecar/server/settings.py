@@ -108,6 +108,14 @@ class ServeSettings(BaseModel):
     data_parallel_size: int = Field(
         1, ge=1, le=1024, description="the server's --data-parallel-size: engines with a KV "
         "pool each; a request lands on one of them")
+    speculative_method: Literal["ngram", "mtp"] | None = Field(
+        None, description="the server's speculative decoding method when its drafter has "
+        "KV layers kvgate models: mtp (the model's own MTP layers, whose caches join the "
+        "model's); default: a drafter without KV layers (n-gram)")
+    attention_backend: Literal["FLASHMLA_SPARSE_DSV4", "FLASHINFER_MLA_SPARSE_DSV4"] | None = (
+        Field(None, description="the server's --attention-backend where it changes the KV "
+              "layout: FLASHINFER_MLA_SPARSE_DSV4 stores DeepSeek-V4's caches as plain bf16 / "
+              "fp8 rows instead of fp8_ds_mla; default: vLLM's choice for the GPU"))
     prefix_caching: Literal["auto", "on", "off"] = Field(
         "auto", description="whether the server shares prompt blocks between requests with a "
         "common prefix (vLLM's --enable-prefix-caching); auto: as its cache_config_info says, "
