@@ -10,7 +10,8 @@ Everything runs offline:
 - every object is validated against the Kubernetes OpenAPI schemas bundled with
   kubernetes-validate (strict: unknown fields fail), for its default (newest) version
   and for the oldest version the chart supports; custom resources are validated with
-  jsonschema against the schemas in tests/data/crds (written from the public CRDs);
+  jsonschema against the CRDs in tests/data/crds (the projects' published CRDs, and
+  schemas written from them for those not copied yet; see its README);
 - YAML sources and rendered output are linted with yamllint (.yamllint);
 - ports, probe paths, labels, the drain timing and metric names are checked to agree
   across the Dockerfile, kustomize, the chart, the rules, the dashboard and
@@ -38,6 +39,7 @@ from yamllint import linter
 from yamllint.config import YamlLintConfig
 
 from support import helm, kustomize
+from support.crd_schema import crd_schema, published_versions
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy" / "kubernetes"
@@ -168,12 +170,22 @@ def one(source: Source, kind: str) -> dict[str, Any]:
 
 @functools.cache
 def crd_validators() -> dict[tuple[str, str], jsonschema.protocols.Validator]:
+    """The published CRDs (*.yaml, every served version), then the schemas written
+    for the custom resources whose published CRD is not here yet (*.json)."""
     validators: dict[tuple[str, str], jsonschema.protocols.Validator] = {}
+
+    def add(key: tuple[str, str], schema: dict[str, Any], path: Path) -> None:
+        assert key not in validators, f"{path}: a second schema for {key}"
+        jsonschema.Draft202012Validator.check_schema(schema)
+        validators[key] = jsonschema.Draft202012Validator(schema)
+
+    for path in sorted(CRDS.glob("*.yaml")):
+        for version in published_versions(path):
+            api_version, kind, schema = crd_schema(path, version)
+            add((api_version, kind), schema, path)
     for path in sorted(CRDS.glob("*.json")):
         schema = json.loads(path.read_text(encoding="utf-8"))
-        jsonschema.Draft202012Validator.check_schema(schema)
-        key = (schema["x-kvgate-apiVersion"], schema["x-kvgate-kind"])
-        validators[key] = jsonschema.Draft202012Validator(schema)
+        add((schema["x-kvgate-apiVersion"], schema["x-kvgate-kind"]), schema, path)
     return validators
 
 
@@ -427,6 +439,14 @@ def test_crd_schemas_catch_mistakes() -> None:
     pool = json.loads(json.dumps(one(chart_source("production-keda-gateway"), "InferencePool")))
     pool["spec"]["targetPorts"] = [{"number": 8080}, {"number": 8000}]
     assert schema_errors(pool), "an InferencePool takes exactly one target port"
+    rules = json.loads(json.dumps(one(chart_source("default"), "PrometheusRule")))
+    rule = rules["spec"]["groups"][0]["rules"][0]
+    rule["for"] = "5 minutes"
+    rule["expression"] = rule.pop("expr")
+    errors = schema_errors(rules)
+    assert any("'5 minutes' does not match" in e for e in errors), errors
+    assert any("'expr' is a required property" in e for e in errors), errors
+    assert any("'expression' was unexpected" in e for e in errors), errors
     deployment = json.loads(json.dumps(one(chart_source("default"), "Deployment")))
     deployment["spec"]["template"]["spec"]["containers"][0]["readinesProbe"] = {}
     assert any("readinesProbe" in e for e in schema_errors(deployment))
