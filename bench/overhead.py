@@ -68,6 +68,7 @@ from bench.common import (  # noqa: E402
     free_port,
     percentile,
     provenance,
+    provenance_line,
     render_table,
     rounded,
     system_cpu_seconds,
@@ -308,6 +309,11 @@ def kvgate_outcomes(url: str) -> dict[str, float]:
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     if args.access_log_comparison:
         return access_log_comparison(args)
+    if args.canned:
+        from bench.canned import canned_comparison
+
+        with temporary_directory("kvgate-canned-", keep=args.keep_logs) as tmp:
+            return canned_comparison(args, tmp, provenance("bench/overhead.py"))
     levels = [int(x) for x in args.concurrency.split(",")]
     started_at = time.monotonic()
     report: dict[str, Any] = {
@@ -553,6 +559,20 @@ def print_access_log_report(report: dict[str, Any]) -> None:
     print(f"\naccess-log lines written: {report.get('access_log_lines_written')}")
 
 
+def print_canned_report(report: dict[str, Any]) -> None:
+    print(f"\n{provenance_line(report)}\n")
+    rows = []
+    for cell in report["cells"]:
+        for target, t in cell["targets"].items():
+            rows.append([cell["mode"], cell["concurrency"], target, t["p50_ms"], t["added_p50_ms"],
+                         t.get("added_p50_over_bare_ms", ""), t["throughput_rps"],
+                         t.get("throughput_vs_bare", ""), t["upstream_generations_per_request"],
+                         t["upstream_tokenize_per_request"], t["errors"]])
+    print(render_table(["mode", "conc", "target", "p50 ms", "added p50 ms",
+                        "added over bare ms", "req/s", "req/s vs bare", "upstream gen/req",
+                        "upstream tokenize/req", "errors"], rows))
+
+
 def nginx_version() -> str:
     completed = subprocess.run([find_nginx(), "-v"], capture_output=True, text=True, check=False)
     return (completed.stderr or completed.stdout).strip().removeprefix("nginx version: ")
@@ -734,6 +754,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--access-log-comparison", action="store_true",
                         help="only compare kvgate with its access log on and off (default "
                              "output bench/results/overhead_access_log.json)")
+    parser.add_argument("--canned", action="store_true",
+                        help="only hold kvgate against a bare aiohttp proxy and nginx over a "
+                             "canned nginx upstream, loaded by wrk (bench/canned.py; default "
+                             "output bench/results/overhead_canned.json)")
+    parser.add_argument("--canned-concurrency", type=int, default=16)
+    parser.add_argument("--canned-duration", type=float, default=5.0,
+                        help="seconds per wrk run (default 5)")
+    parser.add_argument("--tokenizer", default=str(
+        Path(os.environ.get("KVGATE_MODELS_DIR") or Path.home() / ".cache" / "kvgate" / "models")
+        / "tiny-qwen3"), help="the tokenizer kvgate counts the load's prompt with (default: "
+        "the tiny-qwen3 test model's)")
     args = parser.parse_args(argv)
     smoke = args.smoke
     args.concurrency = args.concurrency or ("1,8" if smoke else "1,8,32,64")
@@ -750,6 +781,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.out is None:
         args.out = (str(Path(tempfile.gettempdir()) / "kvgate-overhead-smoke.json") if smoke
                     else str(RESULTS / ("overhead_access_log.json" if args.access_log_comparison
+                                        else "overhead_canned.json" if args.canned
                                         else "overhead.json")))
     return args
 
@@ -757,6 +789,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def print_any_report(report: dict[str, Any]) -> None:
     if report.get("benchmark") == "overhead_access_log":
         print_access_log_report(report)
+    elif report.get("benchmark") == "overhead_canned":
+        print_canned_report(report)
     else:
         print_report(report)
 

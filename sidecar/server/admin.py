@@ -85,11 +85,7 @@ def _process(request: web.Request) -> dict[str, Any]:
     clients = sum(len(r.server.connections) for r in runners if r.server is not None)
     upstream: dict[str, int] | None = None
     if services.client is not None:
-        connector = services.client.session.connector
-        # aiohttp keeps no public count: its pool's in-use set and idle lists.
-        acquired = getattr(connector, "_acquired", ())
-        idle = getattr(connector, "_conns", {})
-        upstream = {"active": len(acquired), "idle": sum(len(c) for c in idle.values())}
+        upstream = services.client.connections()
     rss_bytes = fds = None
     try:
         with open("/proc/self/status", encoding="ascii") as status:

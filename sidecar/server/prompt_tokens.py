@@ -30,7 +30,7 @@ from sidecar.tokens import (
     Verification,
     shape_of,
 )
-from sidecar.upstream import UpstreamClient, UpstreamError
+from sidecar.upstream import Engine, UpstreamError
 
 log = logging.getLogger("kvgate.tokens")
 
@@ -102,7 +102,7 @@ class PromptCounter:
 
     # ---- counting ---------------------------------------------------------------------
 
-    async def count(self, gen: GenerationRequest, client: UpstreamClient | None,
+    async def count(self, gen: GenerationRequest, client: Engine | None,
                     request_id: str | None = None) -> tuple[int, tuple[int, ...] | None]:
         """The prompt's token count (the longest of a batch), and the token ids of a
         single prompt when known."""
@@ -129,7 +129,7 @@ class PromptCounter:
             token_ids = None
         return (max(counts) if counts else 1), token_ids
 
-    async def _tokens(self, payload: Mapping[str, Any], client: UpstreamClient | None,
+    async def _tokens(self, payload: Mapping[str, Any], client: Engine | None,
                       request_id: str | None) -> tuple[int, tuple[int, ...] | None]:
         if self.tokenizer is None and self._loading is not None and not self._loading.done():
             # Being read (milliseconds): wait for it rather than count by the server.
@@ -165,7 +165,7 @@ class PromptCounter:
             return await asyncio.to_thread(tokenizer.tokenize, payload)
         return tokenizer.tokenize(payload)
 
-    async def _server(self, payload: Mapping[str, Any], client: UpstreamClient | None,
+    async def _server(self, payload: Mapping[str, Any], client: Engine | None,
                       request_id: str | None) -> tuple[int, tuple[int, ...] | None]:
         if client is None:
             raise UpstreamError("connect", "no upstream client")
@@ -187,7 +187,7 @@ class PromptCounter:
                         len(local), len(served))
 
     async def _check_later(self, shape: str, payload: Mapping[str, Any],
-                           local: tuple[int, ...], client: UpstreamClient,
+                           local: tuple[int, ...], client: Engine,
                            request_id: str | None) -> None:
         try:
             tokenized = await client.tokenize(payload, request_id)

@@ -26,7 +26,7 @@ from sidecar.admission import AdmissionRequest, Rejected, Ticket
 from sidecar.server import access_log
 from sidecar.server.client_headers import PRIORITY, TENANT, TTFT_SLO, parse_steering
 from sidecar.server.errors import error_response, rejection_response
-from sidecar.server.keys import SERVICES, SESSION
+from sidecar.server.keys import SERVICES
 from sidecar.server.prefix_keys import prompt_keys
 from sidecar.server.requests import (
     BadRequest,
@@ -181,7 +181,6 @@ async def forward(
     arrived_at: float | None = None,
 ) -> web.StreamResponse:
     """Send the request upstream and stream the answer back; settle the ticket."""
-    session = request.app[SESSION]
     client = services.client
     assert client is not None
     settings = services.settings
@@ -200,16 +199,14 @@ async def forward(
         running.add(task)
     try:
         try:
-            upstream = await session.request(
+            upstream = await client.forward(
                 request.method,
-                client.url(request.rel_url.path_qs),
+                request.rel_url.path_qs,
                 # aiohttp streams a BytesIO; a large bytes object would block the loop.
-                data=(io.BytesIO(raw) if len(raw) > LARGE_BODY_BYTES else raw) if raw else None,
-                headers=record.upstream_headers(
+                (io.BytesIO(raw) if len(raw) > LARGE_BODY_BYTES else raw) if raw else None,
+                record.upstream_headers(
                     _forward_headers(request.headers, HOP_BY_HOP | STEERING)),
-                timeout=timeout,
-                allow_redirects=False,
-                auto_decompress=False,
+                timeout,
             )
         except (aiohttp.ClientError, TimeoutError) as exc:
             return record.upstream_failed(_upstream_failed(services, exc))

@@ -51,8 +51,8 @@ from sidecar.server.prompt_tokens import PromptCounter
 from sidecar.server.settings import ServeSettings
 from sidecar.upstream import (
     CacheConfig,
+    Engine,
     ModelInfo,
-    UpstreamClient,
     UpstreamView,
     UpstreamWatcher,
 )
@@ -141,7 +141,7 @@ class Services:
         self.served: ServedModel | None = None
         self.learned: LearnedServer | None = None
         self.model_problem: str | None = None
-        self.client: UpstreamClient | None = None
+        self.client: Engine | None = None
         self.watcher: UpstreamWatcher | None = None
         self.draining = False
         self._refusals_logged: set[str] = set()
@@ -268,7 +268,7 @@ class Services:
             if self.active_requests == 0:
                 self.idle.set()
 
-    def attach(self, client: UpstreamClient, watcher: UpstreamWatcher) -> None:
+    def attach(self, client: Engine, watcher: UpstreamWatcher) -> None:
         self.client = client
         self.watcher = watcher
 

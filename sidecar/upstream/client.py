@@ -1,4 +1,5 @@
-"""The vLLM client: what the sidecar asks the server about itself.
+"""The vLLM client: what the sidecar asks the server about itself, and the requests it
+forwards (vLLM's implementation of `engine.Engine`).
 
 One `aiohttp.ClientSession` (owned by the server's composition root) is passed in;
 every call has explicit timeouts and raises `UpstreamError` naming what failed.
@@ -125,6 +126,23 @@ class UpstreamClient:
                 and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens)):
             return Tokenized(count, None)
         return Tokenized(count, tuple(tokens))
+
+    async def forward(self, method: str, path_qs: str, body: Any,
+                      headers: Mapping[str, str],
+                      limits: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+        """Send a client's request on as it is (bytes or a stream of them); the response
+        is not read: the caller streams it back and closes it."""
+        return await self.session.request(
+            method, self.base_url + path_qs, data=body, headers=headers, timeout=limits,
+            allow_redirects=False, auto_decompress=False)
+
+    def connections(self) -> dict[str, int]:
+        """Connections to the server: in use and idle in the pool."""
+        connector = self.session.connector
+        # aiohttp keeps no public count: its pool's in-use set and idle lists.
+        acquired = getattr(connector, "_acquired", ())
+        idle = getattr(connector, "_conns", {})
+        return {"active": len(acquired), "idle": sum(len(c) for c in idle.values())}
 
     async def version(self) -> str | None:
         """The server's version (vLLM's GET /version), or None if it does not say."""
