@@ -38,6 +38,9 @@ PROMPT = ("Summarise the following notes for an on-call engineer in three short 
           "requests for 40 s, latency p99 went from 2 s to 19 s, and the gateway kept "
           "admitting because its KV threshold lagged by one scrape.")
 TARGETS = ("direct", "nginx", "bare-aiohttp", "kvgate-uvloop", "kvgate-asyncio")
+# (streaming, unique prompts): identical prompts first, so kvgate's first checks of the
+# shape meet the prompt the canned /tokenize answers for.
+CASES = ((False, False), (True, False), (False, True))
 
 
 def find_tool(name: str, package: str) -> str:
@@ -125,14 +128,26 @@ http {{
 """
 
 
-def wrk_script(directory: Path, stream: bool) -> Path:
-    body = json.dumps({"model": MODEL_ID, "prompt": PROMPT, "max_tokens": EVENTS,
-                       "stream": stream})
-    script = directory / ("stream.lua" if stream else "complete.lua")
-    headers = 'wrk.headers["Content-Type"] = "application/json"\n'
+def wrk_script(directory: Path, stream: bool, unique: bool = False) -> Path:
+    """The load: the same request every time, or (`unique`) the prompt followed by a
+    request number, so that no two prompts are alike."""
+    headers = {"Content-Type": "application/json"}
     if stream:
-        headers += 'wrk.headers["x-canned"] = "stream"\n'
-    script.write_text(f'wrk.method = "POST"\nwrk.body = {json.dumps(body)}\n{headers}')
+        headers["x-canned"] = "stream"
+    lua_headers = "".join(f'wrk.headers["{k}"] = "{v}"\n' for k, v in headers.items())
+    script = directory / f"{'stream' if stream else 'complete'}{'-unique' if unique else ''}.lua"
+    if not unique:
+        body = json.dumps({"model": MODEL_ID, "prompt": PROMPT, "max_tokens": EVENTS,
+                           "stream": stream})
+        script.write_text(f'wrk.method = "POST"\nwrk.body = {json.dumps(body)}\n{lua_headers}')
+        return script
+    head = json.dumps({"model": MODEL_ID, "prompt": PROMPT})[:-2]  # ...PROMPT without '"}'
+    tail = json.dumps({"max_tokens": EVENTS, "stream": stream})[1:]
+    script.write_text(
+        f'wrk.method = "POST"\n{lua_headers}local n = 0\n'
+        f'request = function()\n  n = n + 1\n'
+        f'  return wrk.format(nil, nil, nil, {json.dumps(head)} .. " #" .. n .. "\\", " .. '
+        f'{json.dumps(tail)})\nend\n')
     return script
 
 
@@ -213,7 +228,9 @@ def canned_comparison(args: Any, tmp: Path, provenance: dict[str, Any]) -> dict[
         target: [sys.executable, "-m", "sidecar", "serve", "--upstream", upstream_url,
                  "--model-config", "Qwen/Qwen3-0.6B", "--tokenizer", str(tokenizer_dir),
                  "--host", "127.0.0.1", "--port", str(port), "--mode", "enforce",
-                 "--event-loop", target.removeprefix("kvgate-")]
+                 "--event-loop", target.removeprefix("kvgate-"),
+                 # The canned /tokenize knows one prompt: no sampled checks of the others.
+                 "--tokenizer-check-every", "0"]
         for target, port in ports.items()}
     processes = [
         Process("canned upstream", [nginx, "-p", str(tmp), "-e", str(tmp / "upstream.err"),
@@ -240,8 +257,8 @@ def canned_comparison(args: Any, tmp: Path, provenance: dict[str, Any]) -> dict[
         wait_http(urls["bare-aiohttp"] + "/health", processes[2])
         for target, process in zip(ports, processes[3:], strict=True):
             wait_http(urls[target] + "/readyz", process, timeout_s=60)
-        for stream in (False, True):
-            script = wrk_script(tmp, stream)
+        for stream, unique in CASES:
+            script = wrk_script(tmp, stream, unique)
             for target in TARGETS:  # warm every path up (connections, the first checks)
                 run_wrk(wrk, urls[target], script, args.canned_concurrency, 1)
             samples: dict[str, list[dict[str, Any]]] = {t: [] for t in TARGETS}
@@ -259,13 +276,15 @@ def canned_comparison(args: Any, tmp: Path, provenance: dict[str, Any]) -> dict[
                                                    - before.get("/tokenize", 0))
                     samples[target].append(result)
                     runs.append({"mode": "streaming" if stream else "non-streaming",
+                                 "prompts": "unique" if unique else "identical",
                                  "target": target, "repetition": rep, **result})
                     sys.stderr.write(
-                        f"  {'stream' if stream else 'json':>6} {target:<15} "
+                        f"  {'stream' if stream else 'json':>6} "
+                        f"{'unique' if unique else 'same':>6} {target:<15} "
                         f"{result['throughput_rps']:>8.0f} req/s  p50 {result['p50_ms']:.2f} ms"
                         f"  upstream got {result['upstream_generations']} generations, "
                         f"{result['upstream_tokenize']} /tokenize\n")
-            cells.append(_cell(stream, args.canned_concurrency, samples))
+            cells.append(_cell(stream, unique, args.canned_concurrency, samples))
     finally:
         for process in reversed(processes):
             process.stop()
@@ -275,6 +294,9 @@ def canned_comparison(args: Any, tmp: Path, provenance: dict[str, Any]) -> dict[
             "upstream": "nginx with canned bodies (bench/canned.py): a completion of "
                         f"{EVENTS} tokens, or {EVENTS} SSE events and [DONE]",
             "load": {"tool": "wrk, 1 thread", "concurrency": args.canned_concurrency,
+                     "prompts": "identical (every request the same), or unique (the prompt "
+                                "and a request number): kvgate tokenizes identical prompts "
+                                "once (its cache of recent prompts), unique ones every time",
                      "duration_s": args.canned_duration, "repetitions": args.reps,
                      "request": "POST /v1/completions, a 300-character prompt, max_tokens "
                                 f"{EVENTS}", "order": "targets rotated per repetition"},
@@ -284,7 +306,7 @@ def canned_comparison(args: Any, tmp: Path, provenance: dict[str, Any]) -> dict[
     }
 
 
-def _cell(stream: bool, concurrency: int,
+def _cell(stream: bool, unique: bool, concurrency: int,
           samples: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     targets: dict[str, dict[str, Any]] = {}
     for target, results in samples.items():
@@ -312,6 +334,7 @@ def _cell(stream: bool, concurrency: int,
                                                  3)
         kvgate["throughput_vs_bare"] = round(kvgate["throughput_rps"] / bare["throughput_rps"],
                                              3) if bare["throughput_rps"] else None
-    return {"mode": "streaming" if stream else "non-streaming", "concurrency": concurrency,
+    return {"mode": "streaming" if stream else "non-streaming",
+            "prompts": "unique" if unique else "identical", "concurrency": concurrency,
             "targets": targets, "measured_at": time.strftime("%Y-%m-%dT%H:%M:%SZ",
                                                              time.gmtime())}

@@ -564,11 +564,12 @@ def print_canned_report(report: dict[str, Any]) -> None:
     rows = []
     for cell in report["cells"]:
         for target, t in cell["targets"].items():
-            rows.append([cell["mode"], cell["concurrency"], target, t["p50_ms"], t["added_p50_ms"],
+            rows.append([cell["mode"], cell["prompts"], cell["concurrency"], target,
+                         t["p50_ms"], t["added_p50_ms"],
                          t.get("added_p50_over_bare_ms", ""), t["throughput_rps"],
                          t.get("throughput_vs_bare", ""), t["upstream_generations_per_request"],
                          t["upstream_tokenize_per_request"], t["errors"]])
-    print(render_table(["mode", "conc", "target", "p50 ms", "added p50 ms",
+    print(render_table(["mode", "prompts", "conc", "target", "p50 ms", "added p50 ms",
                         "added over bare ms", "req/s", "req/s vs bare", "upstream gen/req",
                         "upstream tokenize/req", "errors"], rows))
 

@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -37,6 +39,10 @@ log = logging.getLogger("kvgate.tokens")
 # Prompts larger than this many characters are tokenized on a worker thread.
 INLINE_CHARS = 16_384
 MAX_BACKGROUND_CHECKS = 64
+# Identical prompts (retries, health probes, repeated queries) are tokenized once: the
+# last CACHED_PROMPTS payloads of at most CACHED_CHARS characters are kept (<= ~20 MB).
+CACHED_PROMPTS = 1024
+CACHED_CHARS = 8_192
 LOAD_WAIT_S = 5.0
 
 
@@ -65,6 +71,7 @@ class PromptCounter:
         self.log_prompts = log_prompts
         self._loading: asyncio.Task[None] | None = None
         self._checks: set[asyncio.Task[None]] = set()
+        self._recent: OrderedDict[str, tuple[int, ...]] = OrderedDict()
 
     # ---- the tokenizer files ----------------------------------------------------------
 
@@ -161,9 +168,23 @@ class PromptCounter:
 
     async def _local(self, tokenizer: LocalTokenizer,
                      payload: Mapping[str, Any]) -> tuple[int, ...]:
-        if _payload_chars(payload) > INLINE_CHARS:
-            return await asyncio.to_thread(tokenizer.tokenize, payload)
-        return tokenizer.tokenize(payload)
+        chars = _payload_chars(payload)
+        key = json.dumps(payload, sort_keys=True, default=str) if chars <= CACHED_CHARS \
+            else None
+        if key is not None:
+            cached = self._recent.get(key)
+            if cached is not None:
+                self._recent.move_to_end(key)
+                return cached
+        if chars > INLINE_CHARS:
+            ids = await asyncio.to_thread(tokenizer.tokenize, payload)
+        else:
+            ids = tokenizer.tokenize(payload)
+        if key is not None:
+            self._recent[key] = ids
+            if len(self._recent) > CACHED_PROMPTS:
+                self._recent.popitem(last=False)
+        return ids
 
     async def _server(self, payload: Mapping[str, Any], client: Engine | None,
                       request_id: str | None) -> tuple[int, tuple[int, ...] | None]:
