@@ -23,6 +23,9 @@
 
 Reported per workload: TTFT and TPOT p50/p90 measured, simulated, closed form, and
 the errors; vLLM's preemptions (`vllm:num_preemptions_total`) beside the simulator's.
+The first workload runs again at the end as a control: `machine_drift` is its measured
+p50 at the end over the start (the 2 cores are shared; a run whose drift is far from 1
+measured a machine that changed under it).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import random
 import statistics
 import sys
@@ -284,7 +288,7 @@ def preemptions_total(url: str) -> float:
 async def measure_all(url: str, shape: ServerShape, efficiency: Efficiency | None,
                       levels: Sequence[int], per_level: int, fixed: Shape, seed: int,
                       mixed_too: bool = True, burst: int = 0, rate: float = 0.0,
-                      rate_requests: int = 0) -> list[dict[str, Any]]:
+                      rate_requests: int = 0, control: bool = False) -> list[dict[str, Any]]:
     """Every workload against the server at `url`, each compared with its prediction."""
     rng = random.Random(seed)
     served = shape.served(efficiency)
@@ -315,6 +319,10 @@ async def measure_all(url: str, shape: ServerShape, efficiency: Efficiency | Non
         observed = await open_loop(url, shape.served_name, work, gaps, serial[0])
         serial[0] += count
         results.append(compare(name, observed, served, None, preemptions_total(url) - before))
+    if control:
+        # The first workload again: did the machine's speed change during the run?
+        await run_closed(f"closed c={levels[0]} fixed (control, at the end)", levels[0],
+                         shapes(max(per_level, 3 * levels[0]), False, rng, fixed))
     return results
 
 
@@ -416,9 +424,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         results = asyncio.run(measure_all(
             server.url, shape, fitted, levels,
             12 if args.smoke else 24, fixed, args.seed, mixed_too=not args.smoke,
-            burst=16 if args.smoke else 32, rate=4.0, rate_requests=24 if args.smoke else 48))
+            burst=16 if args.smoke else 32, rate=4.0, rate_requests=24 if args.smoke else 48,
+            control=True))
     finally:
         server.stop()
+    control, results = results[-1], results[:-1]
+    record["control"] = control
+    record["machine_drift"] = {  # end / start of the same workload, measured
+        key: control["measured"][key]["p50"] / results[0]["measured"][key]["p50"]
+        for key in ("ttft_s", "tpot_s")}
+    record["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     record.update({"model": model, "server": vars(shape), "fixed_lengths": vars(fixed),
                    "efficiency": efficiency, "workloads": results,
                    "within_targets": within_targets(results),
@@ -426,6 +441,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         write_json(args.out, record)
     print(table(results))
+    drift = record["machine_drift"]
+    print(f"machine drift (control at the end / start, measured p50): TTFT "
+          f"{drift['ttft_s']:.2f}x, TPOT {drift['tpot_s']:.2f}x")
     return 0
 
 
