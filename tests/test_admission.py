@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sidecar.admission import (
     AdmissionRequest,
@@ -15,6 +17,7 @@ from sidecar.admission import (
     Rejected,
     ServerState,
 )
+from sidecar.admission.forecast import Holding, holdings_peak, steps_until_room
 
 from support.admission_fixtures import FakeClock, FakeClockLoop, controller
 
@@ -112,7 +115,8 @@ def test_queue_then_admit_when_kv_frees_in_fcfs_order() -> None:
     ctl = controller(num_blocks=41, clock=clock)  # 40 usable, target 38
     loop = FakeClockLoop(clock)
     try:
-        first = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=200))  # 32 blk
+        first = loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=12))  # 32 blk
+        # (held from its prefill on: only its end makes room)
         queued = [loop.create_task(admit(ctl, prompt_tokens=100, max_tokens=60 + i))
                   for i in range(3)]
         loop.run_until_complete(asyncio.sleep(0))
@@ -135,7 +139,7 @@ def test_queue_full_carries_a_computed_retry_after() -> None:
     ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_length=1))
     loop = FakeClockLoop(clock)
     try:
-        running = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=200))
+        running = loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=12))
         running.first_token()  # type: ignore[attr-defined]
         loop.create_task(admit(ctl, prompt_tokens=100, max_tokens=60))
         loop.run_until_complete(asyncio.sleep(0))
@@ -143,9 +147,10 @@ def test_queue_full_carries_a_computed_retry_after() -> None:
             loop.run_until_complete(admit(ctl, prompt_tokens=100, max_tokens=60))
         decision = full.value.decision
         assert decision.outcome is Outcome.QUEUE_FULL
-        # The running request has 200 tokens left at the predicted TPOT: retry then.
-        tpot = ctl.cost_model.tpot_s(1, 300)
-        assert decision.retry_after_s == max(1.0, float(int(-(-200 * tpot // 1))))
+        # The running request has 12 tokens left (13 engine steps until its blocks are
+        # free) at the predicted TPOT: retry then.
+        tpot = ctl.cost_model.tpot_s(1, 500)
+        assert decision.retry_after_s == max(1.0, float(int(-(-13 * tpot // 1))))
         assert decision.details["kv_blocks"] == 10
     finally:
         loop.close()
@@ -156,7 +161,7 @@ def test_deadline_rejects_when_predicted_ttft_exceeds_target() -> None:
     ctl = controller(num_blocks=41, clock=clock)
     loop = FakeClockLoop(clock)
     try:
-        loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=200))
+        loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=12))
         with pytest.raises(Rejected) as late:
             loop.run_until_complete(admit(ctl, prompt_tokens=100, max_tokens=60,
                                           ttft_slo_s=0.001))
@@ -172,7 +177,7 @@ def test_queue_timeout_after_max_wait() -> None:
     ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_wait_s=5.0))
     loop = FakeClockLoop(clock)
     try:
-        running = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=200))
+        running = loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=12))
         waiting = loop.create_task(admit(ctl, prompt_tokens=100, max_tokens=60))
         loop.run_until_complete(asyncio.sleep(0))
         clock.advance(5.1)
@@ -195,7 +200,7 @@ def test_cancelled_while_queued_leaves_nothing_behind() -> None:
     ctl.listener = recorder
     loop = FakeClockLoop(clock)
     try:
-        running = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=200))
+        running = loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=12))
         waiting = loop.create_task(admit(ctl, prompt_tokens=100, max_tokens=60))
         loop.run_until_complete(asyncio.sleep(0))
         waiting.cancel()
@@ -308,17 +313,17 @@ def test_priority_bands_go_first_and_starvation_is_bounded() -> None:
     ctl = controller(num_blocks=41, clock=clock, starvation_bound_s=10.0)
     loop = FakeClockLoop(clock)
     try:
-        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=200))
-        low = loop.create_task(admit(ctl, prompt_tokens=300, max_tokens=200, band=2))
+        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=12))
+        low = loop.create_task(admit(ctl, prompt_tokens=500, max_tokens=12, band=2))
         loop.run_until_complete(asyncio.sleep(0))
         clock.advance(1.0)
-        high = loop.create_task(admit(ctl, prompt_tokens=300, max_tokens=200, band=0))
+        high = loop.create_task(admit(ctl, prompt_tokens=500, max_tokens=12, band=0))
         loop.run_until_complete(asyncio.sleep(0))
         blocker.finish()  # type: ignore[attr-defined]
         loop.run_until_complete(asyncio.sleep(0))
         assert high.done() and not low.done()  # the important band went first
         clock.advance(20.0)  # low has now waited beyond the bound
-        again = loop.create_task(admit(ctl, prompt_tokens=300, max_tokens=200, band=0))
+        again = loop.create_task(admit(ctl, prompt_tokens=500, max_tokens=12, band=0))
         loop.run_until_complete(asyncio.sleep(0))
         high.result().finish()
         loop.run_until_complete(asyncio.sleep(0))
@@ -335,7 +340,8 @@ def test_cost_fairness_between_tenants() -> None:
     ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_wait_s=1e6))
     loop = FakeClockLoop(clock)
     try:
-        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=100))
+        # 37 blocks from its prefill on, 38 at its end: nothing else fits while it runs.
+        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=590, max_tokens=10))
         heavy = [loop.create_task(admit(ctl, prompt_tokens=300, max_tokens=200, tenant="a"))
                  for _ in range(3)]
         light = [loop.create_task(admit(ctl, prompt_tokens=50, max_tokens=30, tenant="b"))
@@ -409,3 +415,83 @@ def test_forecast_peak_ratio_and_exhaustion() -> None:
         assert calm.peak_ratio == 0 and calm.exhaustion_s == float("inf")
 
     run(scenario())
+
+
+def test_admits_when_holdings_over_time_fit_though_the_peaks_added_up_do_not() -> None:
+    """A newcomer whose blocks fit beside what running requests hold at every step
+    ahead is admitted although their peaks (reached at their last steps) add up to more
+    than the target; one that would collide with a request's growth waits."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock)  # 40 usable, target 38
+    loop = FakeClockLoop(clock)
+    try:
+        # 100 prompt tokens + 300 output: 7 blocks now, 25 at its last step.
+        long = loop.run_until_complete(admit(ctl, prompt_tokens=100, max_tokens=300))
+        long.first_token()  # type: ignore[attr-defined]
+        # 14 blocks now, 15 at its end (20 steps away): 25 + 15 > 38, but while it
+        # runs the long request holds at most 7 + 2 blocks.
+        short = loop.run_until_complete(admit(ctl, prompt_tokens=220, max_tokens=20))
+        assert ctl.ledger.reserved_blocks == 40 > ctl.ledger.target_blocks
+        # Another 220 + 300: ends after the long one has grown; it does not fit.
+        waiting = loop.create_task(admit(ctl, prompt_tokens=220, max_tokens=300))
+        loop.run_until_complete(asyncio.sleep(0))
+        assert not waiting.done() and len(ctl.queue) == 1
+        short.finish()  # type: ignore[attr-defined]
+        loop.run_until_complete(asyncio.sleep(0))
+        assert not waiting.done()  # 25 + 33 blocks at their ends
+        long.finish()  # type: ignore[attr-defined]
+        loop.run_until_complete(asyncio.sleep(0))
+        assert waiting.done()
+        waiting.result().finish()
+        assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.reservations == 0
+    finally:
+        loop.close()
+
+
+def test_server_use_that_kvgate_does_not_explain_is_held_until_the_next_scrape() -> None:
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock)
+    loop = FakeClockLoop(clock)
+    try:
+        ticket = loop.run_until_complete(admit(ctl, prompt_tokens=100, max_tokens=60))
+        # The server reports 30 blocks in use: 7 are the running request's prompt.
+        ctl.update_server(ServerState(used_blocks=30))
+        assert ctl.room.untracked_blocks == 23
+        waiting = loop.create_task(admit(ctl, prompt_tokens=100, max_tokens=60))
+        loop.run_until_complete(asyncio.sleep(0))
+        assert not waiting.done()  # 10 + 23 + 10 > 38
+        # The other traffic ended: the next scrape makes room.
+        ctl.update_server(ServerState(used_blocks=7))
+        loop.run_until_complete(asyncio.sleep(0))
+        assert waiting.done() and ctl.room.untracked_blocks == 0
+        for done in (ticket, waiting.result()):
+            done.finish()  # type: ignore[attr-defined]
+    finally:
+        loop.close()
+
+
+holdings_st = st.lists(st.builds(
+    Holding, start_blocks=st.floats(0, 40), blocks_per_step=st.floats(0, 2),
+    cap_blocks=st.floats(0, 60), end_steps=st.integers(0, 60)), max_size=8)
+
+
+@given(holdings=holdings_st, base=st.floats(0, 10), blocks=st.floats(0, 40),
+       limit=st.floats(0, 150))
+def test_holdings_peak_and_room_match_a_step_by_step_count(
+        holdings: list[Holding], base: float, blocks: float, limit: float) -> None:
+    def total(step: int) -> float:
+        return base + sum(h.at(step) for h in holdings)
+
+    horizon = max((h.end_steps for h in holdings), default=0) + 2
+    assert holdings_peak(holdings, base) == pytest.approx(
+        max(total(k) for k in range(horizon)), abs=1e-6)
+    first = steps_until_room(holdings, blocks, limit, base)
+    fits_from = [k for k in range(horizon)
+                 if all(total(j) + blocks <= limit + 1e-9 for j in range(k, horizon))]
+    if not fits_from:
+        assert first == float("inf")
+    else:
+        # The first step from which it fits for good (the answer may be later by the
+        # steps within one request's last stretch, never earlier).
+        assert first >= fits_from[0]
+        assert first in fits_from

@@ -1,11 +1,19 @@
 """Stateful property tests of the admission core over random interleavings of
-arrive, finish, fail, cancel, progress, time passing and capacity changes."""
+arrive, finish, fail, cancel, engine steps, time passing and capacity changes.
+
+The machine's server runs as vLLM does: every running request gains one token per
+engine step (a request not prefilled yet is prefilled in the next step). From any
+state the invariant replays the steps ahead with the blocks vLLM's allocator holds
+(`model.lifecycle`): the admitted requests never hold more than the target at any
+step, although their peaks added up may exceed it."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hypothesis import HealthCheck, settings
@@ -20,6 +28,7 @@ from hypothesis.stateful import (
 
 from sidecar.admission import (
     AdmissionRequest,
+    CostModel,
     Decision,
     Outcome,
     QueueLimits,
@@ -28,10 +37,22 @@ from sidecar.admission import (
     Ticket,
 )
 from sidecar.admission.queue import Entry
+from sidecar.admission.room import LAG_TOKENS
 
 from support.admission_fixtures import FakeClock, FakeClockLoop, controller
 
 BOUND_S = 20.0
+
+
+_BLOCKS_NOW: dict[int, Callable[[int, int, int], int]] = {}
+
+
+def _memoised(model: CostModel) -> Callable[[int, int, int], int]:
+    """The cost model's blocks_now, memoised (the invariant replays every step ahead)."""
+    found = _BLOCKS_NOW.get(id(model))
+    if found is None:
+        found = _BLOCKS_NOW[id(model)] = functools.lru_cache(maxsize=None)(model.blocks_now)
+    return found
 
 
 @dataclass
@@ -126,18 +147,60 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.settle()
 
     @precondition(lambda self: self.running)
-    @rule(index=st.integers(0, 100), tokens=st.integers(1, 600))
-    def progress(self, index: int, tokens: int) -> None:
-        ticket, _ = self.running[index % len(self.running)]
-        ticket.first_token()
-        ticket.progress(self.output_limit(ticket, tokens))
-        # A prefilled request shares its prompt blocks, and a past-peak one shrinks:
-        # either can let a waiting request in.
-        self.settle()
+    @rule(steps=st.integers(1, 300))
+    def engine_steps(self, steps: int) -> None:
+        """The server runs `steps` steps: each running request is prefilled (its first
+        token) and gains a token per step; those at their end finish. kvgate hears of
+        the tokens two steps at a time (it may be that far behind the server)."""
+        for _ in range(-(-steps // LAG_TOKENS)):
+            running = list(self.running)
+            for ticket, _ in running:
+                ticket.first_token()
+                ticket.progress(self.output_limit(ticket, ticket.output_tokens + LAG_TOKENS))
+            for ticket, item in running:
+                if ticket.output_tokens >= self.end_tokens(ticket) and not ticket.finished:
+                    self.running.remove((ticket, item))
+                    assert ticket.finish() is True
+            # A prefilled request shares its prompt blocks, one that finished frees
+            # them: either can let a waiting request in.
+            self.settle()
 
     def output_limit(self, ticket: Ticket, tokens: int) -> int:
         # The server stops at max_tokens, which the worst-case policy reserves.
         return min(tokens, ticket.reserved_output_tokens)
+
+    def end_tokens(self, ticket: Ticket) -> int:
+        """Output tokens at which the server ends the request."""
+        return ticket.reserved_output_tokens
+
+    def held_ahead(self) -> list[int]:
+        """Blocks the running requests hold at each engine step ahead, as vLLM's
+        allocator holds them, each request advancing one token per step until its end
+        (its prompt blocks shared with others held until the last holder ends)."""
+        blocks_now = _memoised(self.ctl.cost_model)
+        per_key = self.ctl.ledger.blocks_per_key
+        lives = []
+        for ticket, _ in self.running:
+            request = ticket.request
+            started = ticket.first_token_s is not None
+            produced = ticket.output_tokens if started else 0
+            end = max(self.end_tokens(ticket), produced + 1)
+            # Step k holds the slots of `produced + k` output tokens (k = 0 is the
+            # prefill of a request not prefilled yet) and samples token produced+k+1.
+            lives.append((request, produced, end - produced, ticket.reservation.keys))
+        horizon = max((steps for _, _, steps, _ in lives), default=0)
+        held = []
+        for k in range(horizon):
+            keys: set[bytes] = set()
+            blocks = 0
+            for request, produced, steps, own_keys in lives:
+                if k < steps:
+                    blocks += max(0, blocks_now(request.prompt_tokens, produced + k,
+                                                request.sequences)
+                                  - len(own_keys) * per_key)
+                    keys.update(own_keys)
+            held.append(blocks + len(keys) * per_key)
+        return held
 
     @precondition(lambda self: self.pending)
     @rule(index=st.integers(0, 100))
@@ -147,7 +210,7 @@ class AdmissionMachine(RuleBasedStateMachine):
 
     @rule(num_blocks=st.integers(10, 80))
     def capacity_change(self, num_blocks: int) -> None:
-        self.allowed_excess = max(self.allowed_excess, self.ctl.ledger.reserved_blocks)
+        self.allowed_excess = max(self.allowed_excess, max(self.held_ahead(), default=0))
         self.ctl.update_server(ServerState(num_blocks=num_blocks))
         self.settle()
 
@@ -157,11 +220,13 @@ class AdmissionMachine(RuleBasedStateMachine):
         self.settle()
 
     @invariant()
-    def reserved_never_exceeds_target(self) -> None:
-        ledger = self.ctl.ledger
-        assert ledger.reserved_blocks <= max(ledger.target_blocks, self.allowed_excess)
-        # Reservations made before a capacity cut drain away; new ones respect the target.
-        self.allowed_excess = min(self.allowed_excess, ledger.reserved_blocks)
+    def held_never_exceeds_target_at_any_step_ahead(self) -> None:
+        target = self.ctl.ledger.target_blocks
+        held = self.held_ahead()
+        peak = max(held, default=0)
+        assert peak <= max(target, self.allowed_excess), (peak, target, held[:8])
+        # Requests admitted before a capacity cut drain away; new ones respect the target.
+        self.allowed_excess = min(self.allowed_excess, peak)
 
     @invariant()
     def every_admitted_request_holds_exactly_one_reservation(self) -> None:
@@ -235,12 +300,14 @@ class QuantileMachine(AdmissionMachine):
         return min(tokens, ticket.request.max_tokens)
 
     @invariant()
-    def reserved_never_exceeds_target(self) -> None:
+    def held_never_exceeds_target_at_any_step_ahead(self) -> None:
         # Requests that outgrow a learned reservation may grow past the target;
         # admissions themselves never do.
-        ledger = self.ctl.ledger
+        target = self.ctl.ledger.target_blocks
         grown = sum(max(0, t.reservation.blocks - t.cost.kv_blocks) for t, _ in self.running)
-        assert ledger.reserved_blocks - grown <= max(ledger.target_blocks, self.allowed_excess)
+        peak = max(self.held_ahead(), default=0)
+        assert peak - grown <= max(target, self.allowed_excess), (peak, grown, target)
+        self.allowed_excess = min(self.allowed_excess, peak)
 
 
 QuantileMachine.TestCase.settings = settings(
@@ -383,10 +450,13 @@ class SlidingMachine(AdmissionMachine):
     @precondition(lambda self: self.running)
     @rule(index=st.integers(0, 100))
     def decodes(self, index: int) -> None:
+        """Two engine steps (every running request gains two tokens), watching one
+        request's reservation shrink past its prefill."""
         ticket, _ = self.running[index % len(self.running)]
         before = ticket.reservation.blocks
-        ticket.first_token()
-        ticket.progress(min(2, ticket.reserved_output_tokens))
+        self.engine_steps(2)
+        if ticket.finished:
+            return
         self.shrunk += ticket.reservation.blocks < before
         # Never below what the request holds from here on.
         request = ticket.request
@@ -394,7 +464,6 @@ class SlidingMachine(AdmissionMachine):
                                                 ticket.reserved_output_tokens,
                                                 request.sequences, ticket.output_tokens)
         assert ticket.reservation.blocks >= ahead
-        self.settle()
 
 
 SlidingMachine.TestCase.settings = settings(

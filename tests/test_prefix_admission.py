@@ -113,8 +113,8 @@ def test_a_queued_request_is_charged_what_it_shares_when_it_is_dispatched() -> N
     ctl = controller(num_blocks=64)  # 63 usable x 0.95 = 59 blocks
 
     async def scenario() -> None:
-        unrelated = [70_000 + i for i in range(300)]
-        other = await ctl.admit(request(ctl, unrelated, output=277))  # 36 blocks
+        unrelated = [70_000 + i for i in range(570)]
+        other = await ctl.admit(request(ctl, unrelated, output=7))  # 36 blocks from the start
         waiting = asyncio.ensure_future(ctl.admit(request(ctl, prompt(2), output=40)))
         await asyncio.sleep(0)
         assert not waiting.done() and len(ctl.queue) == 1  # 25 blocks do not fit in 23
@@ -122,7 +122,7 @@ def test_a_queued_request_is_charged_what_it_shares_when_it_is_dispatched() -> N
         # holds the prefix the waiting one shares when it is dispatched.
         holder = await ctl.admit(request(ctl, prompt(1), output=8, band=0))  # 23 blocks
         assert ctl.ledger.reserved_blocks == 59
-        other.finish(277)
+        other.finish(7)
         ticket = await asyncio.wait_for(waiting, 1)
         assert ticket.cost.shared_blocks == 20 and ticket.cost.kv_blocks == 5
         assert ticket.cost.cached_tokens == 20 * BLOCK

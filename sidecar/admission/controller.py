@@ -38,7 +38,7 @@ from enum import StrEnum
 from typing import Protocol, cast
 
 from sidecar.admission.cost import CostModel, RequestCost
-from sidecar.admission.forecast import Forecast, ReleaseSchedule, RunningRequest, kv_forecast
+from sidecar.admission.forecast import Forecast, RunningRequest, kv_forecast
 from sidecar.admission.ledger import Ledger
 from sidecar.admission.load import PrefillLoad
 from sidecar.admission.outcomes import Decision, Detail, Outcome, Rejected
@@ -51,6 +51,7 @@ from sidecar.admission.policies import (
 )
 from sidecar.admission.prefix import PrefixPlan
 from sidecar.admission.queue import AdmissionQueue, Entry
+from sidecar.admission.room import KVRoom, RunningHoldings
 from sidecar.admission.running import AdmissionRequest, RunningSet, Ticket
 from sidecar.admission.server_queue import ServerQueueLimits
 from sidecar.admission.sharing import PromptSharing
@@ -156,7 +157,6 @@ class AdmissionController:
         self._keys = itertools.count(1)
         self._running = RunningSet()
         self.prefill_load = PrefillLoad()
-        self._schedule: ReleaseSchedule | None = None
         # How long the last admitted request was predicted to hold its KV: when nothing
         # kvgate admitted is running but the server's observed use leaves no room, the
         # cache still turns over at about that rate.
@@ -164,6 +164,8 @@ class AdmissionController:
         self._draining = False
         self._drain_deadline_s: float | None = None
         self.sharing = PromptSharing(self.ledger, cost_model.served.layout)
+        self.room = KVRoom(self.ledger, cost_model)
+        self._room_cache: tuple[int, float, RunningHoldings] | None = None
 
     # ---- prefix caching ---------------------------------------------------------------
 
@@ -195,7 +197,9 @@ class AdmissionController:
         if capacity is not None and capacity != self.ledger.capacity_blocks:
             self.ledger.set_capacity(capacity)
         self.ledger.observe(state.used_blocks, self._growth_blocks())
-        self._schedule = None
+        self.room.observe(state.used_blocks, list(self._running), self._server_progress,
+                          self.clock())
+        self._room_cache = None
         if not state.available:
             # Nothing can be sent until the server is back: tell the waiting clients now.
             for entry in list(self.queue.entries()):
@@ -211,6 +215,7 @@ class AdmissionController:
         capacity = cost_model.served.capacity
         self._model_capacity = capacity.usable_blocks if capacity else None
         self.sharing.set_layout(cost_model.served.layout)
+        self.room.set_cost_model(cost_model)
         self.update_server(self.server)
 
     def drain(self, timeout_s: float) -> None:
@@ -262,14 +267,13 @@ class AdmissionController:
         band = min(max(request.band, 0), self.settings.priority_bands - 1)
         ahead = self.queue.waiting_ahead_of(band)
         limit = self._server_refusal(request)
-        if ahead == 0 and self._fits_now(cost) and limit is None:
+        fits = self._fits_now(request, cost) if ahead == 0 or limit is not None else False
+        if ahead == 0 and fits and limit is None:
             return cost, None
         blocked_by = (f"the KV cache has no room for {cost.kv_blocks} more blocks now"
-                      if limit is None or not self._fits_now(cost)
+                      if limit is None or not fits
                       else f"{self.settings.server_limits.describe(limit)} is reached")
-        needed = self.queue.blocks_ahead_of(band) + cost.kv_blocks - self.ledger.headroom_blocks
-        wait_s = max(self._schedule_now().seconds_until(needed),
-                     self._server_wait_s(request, ahead))
+        wait_s = max(self._kv_wait_s(request, cost, band), self._server_wait_s(request, ahead))
         # An infinite wait is an unknown one: nothing kvgate admitted is running to free
         # blocks, the room is taken by use the server reports (traffic that bypasses
         # kvgate, or a scrape from just before it finished). Such a request waits in the
@@ -367,8 +371,58 @@ class AdmissionController:
             self._details(cost, largest_max_tokens=largest, max_model_len=max_len),
         )
 
-    def _fits_now(self, cost: RequestCost) -> bool:
-        return self.server.available and self.ledger.fits(cost.kv_blocks)
+    def _fits_now(self, request: AdmissionRequest, cost: RequestCost) -> bool:
+        """Whether the KV cache has room for `request` now: with the peaks of every
+        running request added up (the quick answer), or else at every engine step ahead
+        as the running requests grow and finish (`room`)."""
+        if not self.server.available:
+            return False
+        plan = self._plan(request)
+        charge = cost.kv_blocks + cost.shared_blocks - self.sharing.shared_blocks(plan)
+        target = self.ledger.target_blocks
+        if self.ledger.reserved_blocks + self.room.untracked_blocks + charge <= target:
+            return True
+        running = self.room.running(list(self._running), self._server_progress,
+                                    self.clock())
+        return self.room.fits(running, request, cost, plan, target)
+
+    def _running_holdings(self, now: float) -> RunningHoldings:
+        """The running requests' holdings for predicted waits (rebuilt when requests
+        come or go, and at least every 20 ms)."""
+        cached = self._room_cache
+        if cached is None or cached[0] != self.room.version or now - cached[1] > 0.02:
+            cached = (self.room.version, now,
+                      self.room.running(list(self._running), self._server_progress, now))
+            self._room_cache = cached
+        return cached[2]
+
+    def _step_s(self, now: float) -> float:
+        """Predicted time of one engine step at the current batch."""
+        batch = max(1, len(self._running))
+        return self.cost_model.tpot_s(batch, self._mean_context()) * (
+            self.prefill_load.slowdown(now, batch - 1))
+
+    def _kv_wait_s(self, request: AdmissionRequest, cost: RequestCost, band: int) -> float:
+        """Predicted time until the KV cache has room for `request` and the requests
+        queued ahead of it: the steps until the running requests' holdings leave that
+        room for good, at the predicted time per step; past the last running request, at
+        the rate the cache turns over (capacity per request duration)."""
+        now = self.clock()
+        blocks = self.queue.blocks_ahead_of(band) + self._charge(request, cost)
+        running = self._running_holdings(now)
+        target = self.ledger.target_blocks
+        step_s = self._step_s(now)
+        steps = self.room.steps_until_room(running, blocks, target)
+        if math.isfinite(steps):
+            return steps * step_s
+        tickets = running.tickets
+        duration = (sum(t.cost.prefill_s + t.cost.decode_s for t in tickets) / len(tickets)
+                    if tickets else self._last_duration_s)
+        if duration <= 0:
+            return math.inf
+        last_s = max((h.end_steps for h in running.holdings), default=0) * step_s
+        excess = running.base_blocks + blocks - target
+        return last_s + excess * duration / max(1, self.ledger.capacity_blocks)
 
     # ---- the server's own queue limits (vLLM's admission) -----------------------------
 
@@ -484,9 +538,7 @@ class AdmissionController:
     ) -> Decision:
         now = self.clock()
         waited = now - entry.arrival_s
-        needed = self.queue.blocks_ahead_of(entry.band) + cost.kv_blocks - (
-            self.ledger.headroom_blocks)
-        retry = self._retry_after(self._schedule_now().seconds_until(needed))
+        retry = self._retry_after(self._kv_wait_s(request, cost, entry.band))
         details = self._details(cost, waited_s=round(waited, 3))
         if deadline is not None and now + cost.prefill_s >= deadline - 1e-9 and (
             waited < self.settings.limits.max_wait_s
@@ -516,10 +568,9 @@ class AdmissionController:
             if entry is None:
                 return
             head = cast(_Waiter, entry.payload)
-            # What the head is charged now: the blocks it shares may have changed.
-            charge = (self._charge(head.request, head.cost) if head.request.block_keys
-                      else head.cost.kv_blocks)
-            if not self.ledger.fits(charge) or self._server_refusal(head.request) is not None:
+            # What the head shares is looked up now: it may have changed while it waited.
+            if (not self._fits_now(head.request, head.cost)
+                    or self._server_refusal(head.request) is not None):
                 return
             popped = self.queue.pop(now)
             assert popped is entry
@@ -569,9 +620,10 @@ class AdmissionController:
         ticket = Ticket(self, next(self._keys), request, cost, reservation, now, queue_wait_s,
                         predicted_ttft_s, shadow_outcome, plan)
         self._running.add(ticket)
+        self.room.changed()
         self._last_duration_s = cost.prefill_s + cost.decode_s
         self.prefill_load.add(now, cost.prefill_work_s)
-        self._schedule = None
+        self._room_cache = None
         return ticket
 
     def _charge(self, request: AdmissionRequest, cost: RequestCost) -> int:
@@ -588,7 +640,7 @@ class AdmissionController:
             ticket.reservation.resize(blocks)
             ticket.cost = replace(ticket.cost, output_tokens=ticket.output_tokens,
                                   kv_blocks=peak - ticket.cost.shared_blocks)
-            self._schedule = None
+            self._room_cache = None
 
     def _shrink(self, ticket: Ticket) -> None:
         """Past the prefill, a request on a model with sliding windows holds less than
@@ -602,7 +654,7 @@ class AdmissionController:
         blocks = self.sharing.own_blocks(peak, ticket.plan)
         if blocks < ticket.reservation.blocks:
             ticket.reservation.resize(blocks)
-            self._schedule = None
+            self._room_cache = None
             self._dispatch()
 
     def _prefilled(self, ticket: Ticket) -> None:
@@ -617,10 +669,11 @@ class AdmissionController:
     def _finished(self, ticket: Ticket, completed: bool) -> None:
         self._running.remove(ticket)
         self.sharing.release(ticket.reservation)
+        self.room.changed()
         if completed and ticket.output_tokens > 0:
             self.output_policy.observe(ticket.request.tenant, ticket.output_tokens)
             self._outputs.observe(ticket.request.tenant, ticket.output_tokens)
-        self._schedule = None
+        self._room_cache = None
         self._dispatch()
 
     def _admit_shadow(
@@ -674,15 +727,6 @@ class AdmissionController:
                 finish_in_s=finish_in,
             ))
         return views
-
-    def _schedule_now(self) -> ReleaseSchedule:
-        if self._schedule is None:
-            running = list(self._running)
-            duration = (sum(t.cost.prefill_s + t.cost.decode_s for t in running) / len(running)
-                        if running else self._last_duration_s)
-            self._schedule = ReleaseSchedule.build(self.running_requests(),
-                                                   self.ledger.capacity_blocks, duration)
-        return self._schedule
 
     def _server_progress(self, ticket: Ticket, now: float) -> int:
         """Output tokens the server has generated for a request, at least those kvgate
@@ -850,6 +894,7 @@ class AdmissionController:
                 else forecast.exhaustion_s,
             },
         }
+
 
 def _time_until(releases: list[tuple[float, int]], needed: int) -> float:
     """Time until the releases (time, amount; sorted by time) add up to `needed`:

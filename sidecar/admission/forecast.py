@@ -1,20 +1,17 @@
-"""When running requests will release their KV, and the peak KV they will reach.
+"""The KV the running requests will hold over time.
 
-Both answers come from the same picture: each running request holds some blocks
-now, grows linearly to its expected final size while it decodes, and releases
-everything when it finishes at a predicted time.
-
-- `ReleaseSchedule.seconds_until(blocks)`: how long until `blocks` more blocks are
-  free (a Retry-After, a queue wait). Past the last running request it extrapolates
-  at the rate the cache turns over (capacity per mean request duration).
 - `kv_forecast`: the peak of the summed use over time, as a ratio of capacity (above
   1 means vLLM will run out and preempt) and the time until the use first exceeds
-  capacity.
+  capacity; each running request holds some blocks now, grows linearly to its
+  expected final size while it decodes and releases everything when it finishes at a
+  predicted time (the metrics and /kvgate/v1/state report it).
+- `Holding` and `holdings_profile`: bounds on what each request holds at each engine
+  step ahead, which admission sums (`room`) to let a request in when the sum with it
+  stays within the target at every step, and to predict when it will.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,41 +23,6 @@ class RunningRequest:
     blocks_final: int  # blocks at its expected final length
     blocks_reserved: int  # what it holds in the ledger (released when it finishes)
     finish_in_s: float  # predicted time until it finishes
-
-
-@dataclass(frozen=True)
-class ReleaseSchedule:
-    finish_s: tuple[float, ...]  # ascending, relative to when the schedule was built
-    released_cumulative: tuple[int, ...]  # blocks freed by then
-    turnover_blocks_per_s: float
-
-    @staticmethod
-    def build(
-        running: Sequence[RunningRequest], capacity_blocks: int, request_duration_s: float
-    ) -> ReleaseSchedule:
-        """`request_duration_s`: how long an admitted request typically holds its KV
-        (predicted prefill + decode): the cache turns over once per that time."""
-        ordered = sorted((max(0.0, r.finish_in_s), r.blocks_reserved) for r in running)
-        cumulative = []
-        total = 0
-        for _, blocks in ordered:
-            total += blocks
-            cumulative.append(total)
-        turnover = capacity_blocks / request_duration_s if request_duration_s > 0 else 0.0
-        return ReleaseSchedule(tuple(f for f, _ in ordered), tuple(cumulative), turnover)
-
-    def seconds_until(self, blocks: int) -> float:
-        """Time until `blocks` blocks have been released (0 if none are needed)."""
-        if blocks <= 0:
-            return 0.0
-        index = bisect.bisect_left(self.released_cumulative, blocks)
-        if index < len(self.finish_s):
-            return self.finish_s[index]
-        released = self.released_cumulative[-1] if self.released_cumulative else 0
-        last = self.finish_s[-1] if self.finish_s else 0.0
-        if self.turnover_blocks_per_s <= 0:
-            return math.inf
-        return last + (blocks - released) / self.turnover_blocks_per_s
 
 
 @dataclass(frozen=True)
@@ -108,3 +70,114 @@ def kv_forecast(
             exhaustion = max(start, crossing)
         start = finish
     return Forecast(capacity_blocks, peak, exhaustion)
+
+
+# ---- holdings over the engine steps ahead ------------------------------------------------
+#
+# vLLM's scheduler gives every running request one token per engine step, so the steps
+# ahead are a clock all running requests share whatever a step lasts. A request holds
+# blocks for its tokens: at most one more block per group each time its token count
+# crosses a multiple of the group's block size, never more than the peak still ahead of
+# it (its reservation), and nothing once it has finished. `Holding` is that bound as a
+# line capped by the peak; `HoldingsForecast` sums the running requests' holdings over
+# the steps ahead, so that a newcomer is admitted when the sum with it stays within the
+# target at every step (requests that finish first make room for it), not only when the
+# peaks of all of them added up fit.
+
+
+@dataclass(frozen=True)
+class Holding:
+    """One request's KV blocks over the engine steps ahead (step 0 is the next one):
+    at most `min(cap_blocks, start_blocks + blocks_per_step * step)` while
+    `step < end_steps`, none after."""
+
+    start_blocks: float
+    blocks_per_step: float
+    cap_blocks: float
+    end_steps: int
+
+    def at(self, step: int) -> float:
+        if step >= self.end_steps:
+            return 0.0
+        return min(self.cap_blocks, self.start_blocks + self.blocks_per_step * step)
+
+    def delayed(self, steps: int) -> Holding:
+        """The same request started `steps` steps later (its holdings shifted right,
+        bounded from step 0 on by its start as its line is nondecreasing)."""
+        if steps <= 0:
+            return self
+        return Holding(self.start_blocks, self.blocks_per_step, self.cap_blocks,
+                       self.end_steps + steps)
+
+
+def holdings_profile(holdings: Sequence[Holding], base_blocks: float = 0.0
+                     ) -> list[tuple[int, float]]:
+    """(step, blocks held) at step 0 and at the last step of each request (each
+    holding is nondecreasing while it lasts, so the sum peaks at one of those steps),
+    in step order. O(n log n)."""
+    # Saturation: the step from which a holding stays at its cap.
+    start = sum_rate = capped = 0.0
+    saturated = [False] * len(holdings)
+    alive = [True] * len(holdings)
+    saturations: list[tuple[float, int]] = []
+    for i, h in enumerate(holdings):
+        if h.end_steps <= 0:
+            alive[i] = False
+            continue
+        if h.start_blocks >= h.cap_blocks:
+            saturated[i] = True
+            capped += h.cap_blocks
+            continue
+        start += h.start_blocks
+        sum_rate += h.blocks_per_step
+        if h.blocks_per_step > 0:
+            saturations.append(((h.cap_blocks - h.start_blocks) / h.blocks_per_step, i))
+    saturations.sort()
+    ends = sorted((h.end_steps - 1, i) for i, h in enumerate(holdings) if alive[i])
+    profile = [(0, base_blocks + start + capped)]
+    next_saturation = 0
+    for step, i in ends:
+        while (next_saturation < len(saturations)
+               and saturations[next_saturation][0] <= step):
+            j = saturations[next_saturation][1]
+            next_saturation += 1
+            if alive[j] and not saturated[j]:
+                saturated[j] = True
+                start -= holdings[j].start_blocks
+                sum_rate -= holdings[j].blocks_per_step
+                capped += holdings[j].cap_blocks
+        profile.append((step, base_blocks + start + sum_rate * step + capped))
+        alive[i] = False
+        if saturated[i]:
+            capped -= holdings[i].cap_blocks
+        else:
+            start -= holdings[i].start_blocks
+            sum_rate -= holdings[i].blocks_per_step
+    return profile
+
+
+def holdings_peak(holdings: Sequence[Holding], base_blocks: float = 0.0) -> float:
+    """The most the holdings (plus `base_blocks` held throughout) add up to at any
+    step ahead."""
+    return max(blocks for _, blocks in holdings_profile(holdings, base_blocks))
+
+
+def steps_until_room(holdings: Sequence[Holding], blocks: float, limit_blocks: float,
+                     base_blocks: float = 0.0) -> float:
+    """The first step from which `blocks` more blocks stay within `limit_blocks` at
+    every step after (0: now; inf: not even once every holding has ended)."""
+    if base_blocks + blocks > limit_blocks + 1e-9:
+        return math.inf
+    profile = holdings_profile(holdings, base_blocks)
+    if len(profile) == 1:
+        return 0.0
+    # From just after one request's last step to the next one's, the sum is at most its
+    # value at the next one's last step: the later points bound every start.
+    first = float(profile[-1][0] + 1)  # everything has ended
+    suffix = base_blocks
+    for index in range(len(profile) - 1, 0, -1):
+        suffix = max(suffix, profile[index][1])
+        if suffix + blocks > limit_blocks + 1e-9:
+            break
+        first = 0.0 if index == 1 else float(profile[index - 1][0] + 1)
+    return first

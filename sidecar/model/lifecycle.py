@@ -82,6 +82,30 @@ class KVLifecycle:
             return self.held(Step(0, prompt_tokens, 0)) if prompt_tokens else 0
         return self.held(self.decode_step(prompt_tokens, produced))
 
+    def growth_bound(self, allocated_tokens: int) -> tuple[float, float]:
+        """(offset_blocks, blocks_per_token) per sequence: holding the slots of
+        `allocated_tokens` tokens, `k` tokens later it holds at most
+        offset + k x blocks_per_token more blocks.
+
+        Every group takes a new block only when the token count crosses a multiple of
+        its block size (sliding windows also free some, compressed and state groups take
+        fewer), so k more tokens add at most cdiv(k - free, block) blocks to a group
+        with `free` slots left in its last block, which is at most
+        (k + block - 1 - free) / block. Worked example: blocks of 32 tokens, 40 tokens
+        allocated (24 slots free): 24 more tokens add none, 25 add one; the bound gives
+        7/32 + k/32."""
+        offset = per_token = 0.0
+        for group in self.layout.groups:
+            size = group.block_size
+            free = -allocated_tokens % size
+            offset += (size - 1 - free) / size
+            per_token += 1 / size
+        return offset, per_token
+
+    def prefill_step_count(self, prompt_tokens: int) -> int:
+        """Engine steps the prefill of `prompt_tokens` tokens takes (chunks)."""
+        return max(1, -(-prompt_tokens // self.chunk_tokens))
+
     def _peak_blocks(self, prompt_tokens: int, output_tokens: int, produced: int = 0) -> int:
         """The most the request holds from `produced` output tokens to its end, when it
         stops after `output_tokens` output tokens."""

@@ -1,0 +1,238 @@
+"""Room in the KV cache over the engine steps ahead: the question admission asks
+before a request goes to the server.
+
+The ledger holds each admitted request's reservation: the peak it will still reach.
+Those peaks do not coincide: a request reaches its peak at its last step, and
+requests that finish sooner free their blocks before a newcomer has grown to its
+own. vLLM gives every running request one token per engine step, so the steps ahead
+are a clock shared by all of them, whatever a step lasts. `KVRoom` turns each running
+request into a `forecast.Holding` (what it holds now, one block per group at most
+each time its token count crosses a block boundary, never more than its reservation,
+nothing after its last reserved token), and a newcomer fits when the sum with its
+own holding stays within the target at every step ahead.
+
+What the sum leaves out is held throughout: prompt blocks that several running
+requests hold (freed only with their last holder) and the blocks the server reports
+in use that kvgate's requests do not explain (traffic that bypasses kvgate; measured
+at each metrics scrape). A prompt block only one running request holds goes with
+that request, or with the newcomer when the newcomer shares it and ends later.
+
+Safety: each holding bounds what the request's blocks can be at every step, given
+that the server has generated at most `progress + LAG_TOKENS` of its tokens (the
+progress estimate is the larger of what kvgate forwarded and what the predicted step
+time allows) and that it runs until its reserved output; a request that stops early
+(EOS) only frees blocks sooner.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from sidecar.admission.cost import CostModel, RequestCost
+from sidecar.admission.forecast import Holding, holdings_peak, steps_until_room
+from sidecar.admission.ledger import Ledger
+from sidecar.admission.prefix import PrefixPlan
+from sidecar.admission.running import AdmissionRequest, Ticket
+
+# Tokens the server may be ahead of kvgate's estimate of a request's progress: the step
+# in flight (vLLM allocates the next step's slots while the last one is streamed) and
+# one token on its way to kvgate.
+LAG_TOKENS = 2
+# How far apart kvgate's view and its estimate of the server may be for the holdings
+# now to be looked up token by token (beyond: the request's peak ahead).
+_SCAN_TOKENS = 64
+
+Progress = Callable[[Ticket, float], int]
+
+
+@dataclass(frozen=True)
+class RunningHoldings:
+    """The running requests' holdings (in `tickets` order) and the blocks held
+    throughout."""
+
+    tickets: tuple[Ticket, ...]
+    holdings: tuple[Holding, ...]
+    base_blocks: float
+    prefill_steps: int  # before a request admitted now is prefilled
+
+    def peak_blocks(self) -> float:
+        return holdings_peak(self.holdings, self.base_blocks)
+
+
+class KVRoom:
+    def __init__(self, ledger: Ledger, cost_model: CostModel) -> None:
+        self.ledger = ledger
+        self.cost_model = cost_model
+        # Server-reported use that the running requests do not explain (last scrape).
+        self.untracked_blocks = 0
+        self._version = 0
+        self._owners_version = -1
+        self._owners: dict[bytes, Ticket] = {}  # prompt blocks one running request holds
+        self._exclusive: dict[int, int] = {}  # ticket key -> prompt blocks only it holds
+
+    def set_cost_model(self, cost_model: CostModel) -> None:
+        self.cost_model = cost_model
+
+    def changed(self) -> None:
+        """A request was admitted or finished: who holds which prompt blocks changed."""
+        self._version += 1
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # ---- the running requests -------------------------------------------------------
+
+    def _exclusive_keys(self, tickets: Iterable[Ticket]) -> dict[int, int]:
+        if self._owners_version != self._version:
+            owners: dict[bytes, Ticket] = {}
+            exclusive: dict[int, int] = {}
+            holders = self.ledger.holders
+            for ticket in tickets:
+                count = 0
+                for key in ticket.reservation.keys:
+                    if holders(key) == 1:
+                        owners[key] = ticket
+                        count += 1
+                exclusive[ticket.key] = count
+            self._owners, self._exclusive = owners, exclusive
+            self._owners_version = self._version
+        return self._exclusive
+
+    def prefill_steps(self, prompt_tokens: int, cached_tokens: int) -> int:
+        return self.cost_model.lifecycle.prefill_step_count(
+            max(1, prompt_tokens - cached_tokens))
+
+    def holding(self, ticket: Ticket, progress: int, exclusive_keys: int,
+                prefill_steps: int) -> Holding:
+        """What `ticket` holds over the steps ahead: its server-side progress estimated
+        at `progress` output tokens, `exclusive_keys` prompt blocks only it holds and,
+        when its first token has not come yet, `prefill_steps` steps before it decodes
+        (its prefill and those of the requests admitted before it, as vLLM schedules
+        prefills first come first served)."""
+        request = ticket.request
+        model = self.cost_model
+        per_key = self.ledger.blocks_per_key
+        started = ticket.first_token_s is not None
+        seen = ticket.output_tokens if started else 0
+        ahead = max(seen, progress) + LAG_TOKENS if started else 0
+        # Where the server is between what kvgate saw and `ahead`: sliding windows hold
+        # more at some of those points (the prefill's blocks until the first steps
+        # settle) than at the last, so take the most over them (or the peak ahead, when
+        # kvgate's view lags far behind).
+        if ahead - seen > _SCAN_TOKENS:
+            held = ticket.reservation.blocks + len(ticket.reservation.keys) * per_key
+        else:
+            held = max(model.blocks_now(request.prompt_tokens, produced, request.sequences)
+                       for produced in range(seen, ahead + 1))
+        own_now = max(0, held - len(ticket.reservation.keys) * per_key)
+        offset, per_token = model.lifecycle.growth_bound(request.prompt_tokens + ahead)
+        keys = exclusive_keys * per_key
+        # Its last step: the reserved output from what kvgate has seen of it (the
+        # server may be further on, which only ends it sooner).
+        remaining = max(1, ticket.cost.output_tokens - (ticket.output_tokens if started
+                                                        else 0))
+        return Holding(
+            start_blocks=own_now + request.sequences * offset + keys,
+            blocks_per_step=request.sequences * per_token,
+            cap_blocks=ticket.reservation.blocks + keys,
+            end_steps=(0 if started else prefill_steps) + remaining + 1,
+        )
+
+    def running(self, tickets: Sequence[Ticket], progress: Progress,
+                now: float) -> RunningHoldings:
+        exclusive = self._exclusive_keys(tickets)
+        holdings = []
+        prefills = 0
+        for ticket in tickets:  # in the order they were admitted
+            if ticket.first_token_s is None:
+                prefills += self.prefill_steps(ticket.request.prompt_tokens,
+                                               ticket.cost.cached_tokens)
+            holdings.append(self.holding(ticket, progress(ticket, now),
+                                         exclusive.get(ticket.key, 0), prefills))
+        shared_keys = self.ledger.shared_keys - sum(exclusive.get(t.key, 0) for t in tickets)
+        base = max(0, shared_keys) * self.ledger.blocks_per_key + self.untracked_blocks
+        return RunningHoldings(tuple(tickets), tuple(holdings), base, prefills)
+
+    def observe(self, used_blocks: int | None, tickets: Sequence[Ticket],
+                progress: Progress, now: float) -> None:
+        """The server's reported KV use at a scrape: what kvgate's running requests do
+        not explain is held by others until the next scrape."""
+        if used_blocks is None:
+            self.untracked_blocks = 0
+            return
+        per_key = self.ledger.blocks_per_key
+        tracked = self.ledger.held_prompt_blocks
+        for ticket in tickets:
+            request = ticket.request
+            produced = progress(ticket, now) if ticket.first_token_s is not None else 0
+            tracked += max(0, self.cost_model.blocks_now(
+                request.prompt_tokens, produced, request.sequences)
+                - len(ticket.reservation.keys) * per_key)
+        self.untracked_blocks = max(0, used_blocks - tracked)
+
+    # ---- a newcomer -------------------------------------------------------------------
+
+    def newcomer(self, request: AdmissionRequest, cost: RequestCost, plan: PrefixPlan,
+                 prefill_steps: int = 0) -> Holding:
+        """What `request` would hold from the next step on if admitted now (its own
+        blocks and the prompt blocks no running request holds yet), after
+        `prefill_steps` steps of the prefills admitted before it."""
+        model = self.cost_model
+        per_key = self.ledger.blocks_per_key
+        keys = len(plan.keys) * per_key
+        sequences = request.sequences
+        own_prefill = max(0, model.blocks_now(request.prompt_tokens, 0, sequences) - keys)
+        own_peak = max(0, model.peak_blocks(request.prompt_tokens, cost.output_tokens,
+                                            sequences) - keys)
+        brought = (len(plan.keys) - plan.shared) * per_key
+        offset, per_token = model.lifecycle.growth_bound(request.prompt_tokens)
+        steps = prefill_steps + self.prefill_steps(request.prompt_tokens, plan.cached_tokens)
+        return Holding(
+            start_blocks=own_prefill + sequences * offset + brought,
+            blocks_per_step=sequences * per_token,
+            cap_blocks=own_peak + brought,
+            end_steps=steps + max(1, cost.output_tokens) + 1,
+        )
+
+    def with_newcomer(self, running: RunningHoldings, request: AdmissionRequest,
+                      cost: RequestCost, plan: PrefixPlan) -> list[Holding]:
+        """The holdings once `request` runs too: prompt blocks it shares with the one
+        running request that holds them go with whichever of the two ends later."""
+        mine = self.newcomer(request, cost, plan, running.prefill_steps)
+        holdings = list(running.holdings)
+        if plan.shared and self._owners:
+            index = {t.key: i for i, t in enumerate(running.tickets)}
+            moved: dict[int, int] = {}
+            for key in plan.keys:
+                owner = self._owners.get(key)
+                if owner is not None and owner.key in index:
+                    moved[index[owner.key]] = moved.get(index[owner.key], 0) + 1
+            per_key = self.ledger.blocks_per_key
+            extra = 0
+            for i, count in moved.items():
+                h = holdings[i]
+                if h.end_steps < mine.end_steps:
+                    blocks = count * per_key
+                    holdings[i] = Holding(h.start_blocks - blocks, h.blocks_per_step,
+                                          h.cap_blocks - blocks, h.end_steps)
+                    extra += blocks
+            if extra:
+                mine = Holding(mine.start_blocks + extra, mine.blocks_per_step,
+                               mine.cap_blocks + extra, mine.end_steps)
+        holdings.append(mine)
+        return holdings
+
+    def fits(self, running: RunningHoldings, request: AdmissionRequest, cost: RequestCost,
+             plan: PrefixPlan, limit_blocks: float) -> bool:
+        """Whether `request`, admitted now, keeps the holdings within `limit_blocks` at
+        every step ahead."""
+        holdings = self.with_newcomer(running, request, cost, plan)
+        return holdings_peak(holdings, running.base_blocks) <= limit_blocks + 1e-9
+
+    def steps_until_room(self, running: RunningHoldings, blocks: float,
+                         limit_blocks: float) -> float:
+        """Steps until `blocks` more blocks fit for good (inf: not even once every
+        running request has finished)."""
+        return steps_until_room(running.holdings, blocks, limit_blocks, running.base_blocks)
