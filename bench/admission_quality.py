@@ -100,7 +100,10 @@ POLICIES = ("vllm", "static_cap", "threshold", "kvgate")
 # instead of its default 1 s.
 # kvgate_traffic (the agentic workload): kvgate not subscribed to the server's KV cache
 # events, modelling its prefix cache from kvgate's own traffic.
-VARIANTS = {"kvgate_metrics_0.2s": ("--metrics-interval-s", "0.2"), "kvgate_traffic": ()}
+# kvgate_shadow: kvgate admitting everything at once (--mode shadow): its path to the
+# server (tokenizing, streaming, KV cache events) without its admission decisions.
+VARIANTS = {"kvgate_metrics_0.2s": ("--metrics-interval-s", "0.2"), "kvgate_traffic": (),
+            "kvgate_shadow": ("--mode", "shadow")}
 # kvgate's custom device for these CPUs (the same figures as the end-to-end tests);
 # calibration refines the efficiencies against the live server.
 CPU_DEVICE = ("--gpu-memory-gib", "24", "--gpu-bandwidth-gbps", "20", "--gpu-tflops", "0.5")
@@ -583,6 +586,11 @@ class ServerSample:
     kv_usage: list[float] = field(default_factory=list)
     running: list[float] = field(default_factory=list)
     waiting: list[float] = field(default_factory=list)
+    # --trace: what the server (and kvgate's /kvgate/v1/state) said, with the seconds
+    # since the run started, every `interval_s`.
+    tracing: bool = False
+    interval_s: float = 0.5
+    trace: list[dict[str, Any]] = field(default_factory=list)
 
 
 def vllm_metrics(url: str) -> dict[str, float]:
@@ -598,7 +606,24 @@ def vllm_metrics(url: str) -> dict[str, float]:
     return values
 
 
-async def sample_server(url: str, sample: ServerSample, stop: asyncio.Event) -> None:
+def kvgate_trace_point(url: str) -> dict[str, Any]:
+    """What kvgate holds now: its ledger, queue and running requests."""
+    admission = json.loads(http_get(url + "/kvgate/v1/state")).get("admission") or {}
+    ledger = admission.get("ledger") or {}
+    return {
+        "reserved_blocks": ledger.get("reserved_blocks"),
+        "observed_used_blocks": ledger.get("observed_used_blocks"),
+        "effective_used_blocks": ledger.get("effective_used_blocks"),
+        "target_blocks": ledger.get("target_blocks"),
+        "queue_length": (admission.get("queue") or {}).get("length"),
+        "inflight": admission.get("inflight"),
+        "forecast_peak_blocks": (admission.get("forecast") or {}).get("peak_blocks"),
+    }
+
+
+async def sample_server(url: str, sample: ServerSample, stop: asyncio.Event,
+                        kvgate_url: str | None = None) -> None:
+    started = time.perf_counter()
     while not stop.is_set():
         try:
             values = await asyncio.to_thread(vllm_metrics, url)
@@ -608,8 +633,14 @@ async def sample_server(url: str, sample: ServerSample, stop: asyncio.Event) -> 
             sample.kv_usage.append(values["kv_usage"])
             sample.running.append(values["running"])
             sample.waiting.append(values["waiting"])
+        if sample.tracing and values is not None:
+            point: dict[str, Any] = {"t_s": round(time.perf_counter() - started, 3), **values}
+            if kvgate_url is not None:
+                with contextlib.suppress(OSError, ValueError):
+                    point.update(await asyncio.to_thread(kvgate_trace_point, kvgate_url))
+            sample.trace.append(point)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(stop.wait(), 0.5)
+            await asyncio.wait_for(stop.wait(), sample.interval_s)
 
 
 def wait_idle(url: str, timeout_s: float = 180.0) -> None:
@@ -872,10 +903,12 @@ class Bench:
         process, url, config = self.proxy(policy)
         try:
             before = vllm_metrics(self.server.url)
-            sample = ServerSample()
+            sample = (ServerSample(tracing=True, interval_s=0.2) if self.args.trace
+                      else ServerSample())
             cpu_before = self.cpu(process)
             started = time.monotonic()
-            outcomes = asyncio.run(self._play_sampled(url, sample))
+            outcomes = asyncio.run(self._play_sampled(
+                url, sample, url if policy.startswith("kvgate") else None))
             played_s = time.monotonic() - started
             cpu_after = self.cpu(process)
             wait_idle(self.server.url)
@@ -956,9 +989,10 @@ class Bench:
                 "benchmark_client": cpu_seconds(os.getpid()),
                 "machine": system_cpu_seconds()}
 
-    async def _play_sampled(self, url: str, sample: ServerSample) -> list[Outcome]:
+    async def _play_sampled(self, url: str, sample: ServerSample,
+                            kvgate_url: str | None = None) -> list[Outcome]:
         stop = asyncio.Event()
-        sampler = asyncio.create_task(sample_server(self.server.url, sample, stop))
+        sampler = asyncio.create_task(sample_server(self.server.url, sample, stop, kvgate_url))
         try:
             if self.agentic:
                 self.runs_played += 1
@@ -1178,7 +1212,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 write_json(Path(args.dump_requests), {
                     "items": [asdict(i) for i in items],
                     "outcomes": {p: [[asdict(o) for o in run.outcomes] for run in runs[p]]
-                                 for p in policies}})
+                                 for p in policies},
+                    "trace": {p: [run.sample.trace for run in runs[p]] for p in policies}})
         finally:
             server.stop()
     report["comparison"] = compare(report["policies"])
@@ -1321,6 +1356,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--keep-logs", action="store_true")
     parser.add_argument("--dump-requests", metavar="FILE",
                         help="also write every request and its outcome here")
+    parser.add_argument("--trace", action="store_true",
+                        help="with --dump-requests: sample the server's KV use and running "
+                        "requests (and kvgate's ledger and queue) every 0.2 s into the dump")
     parser.add_argument("--server-url", help="use this already running vLLM server (started "
                         "with the same arguments) instead of starting one; for development")
     parser.add_argument("--server-pid", type=int, help="with --server-url: its process id")
