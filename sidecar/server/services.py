@@ -491,7 +491,11 @@ class Services:
         """Re-evaluate staleness between scrapes (called before decisions that matter)."""
         if self.watcher is not None and self.controller is not None:
             self._update_prefix_source()
-            self.controller.update_server(self._server_state(self.watcher.view))
+            state = self._server_state(self.watcher.view)
+            # The server's figures are re-read only when a scrape (or their staleness,
+            # or the server going idle) changed them: they describe the scrape's moment.
+            if state != self.controller.server:
+                self.controller.update_server(state)
 
     # ---- observations ----------------------------------------------------------------
 
