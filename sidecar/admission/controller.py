@@ -415,9 +415,7 @@ class AdmissionController:
         steps = self.room.steps_until_room(running, blocks, target)
         if math.isfinite(steps):
             return steps * step_s
-        tickets = running.tickets
-        duration = (sum(t.cost.prefill_s + t.cost.decode_s for t in tickets) / len(tickets)
-                    if tickets else self._last_duration_s)
+        duration = running.mean_duration_s if running.tickets else self._last_duration_s
         if duration <= 0:
             return math.inf
         last_s = max((h.end_steps for h in running.holdings), default=0) * step_s

@@ -166,18 +166,42 @@ def steps_until_room(holdings: Sequence[Holding], blocks: float, limit_blocks: f
                      base_blocks: float = 0.0) -> float:
     """The first step from which `blocks` more blocks stay within `limit_blocks` at
     every step after (0: now; inf: not even once every holding has ended)."""
-    if base_blocks + blocks > limit_blocks + 1e-9:
-        return math.inf
-    profile = holdings_profile(holdings, base_blocks)
-    if len(profile) == 1:
-        return 0.0
-    # From just after one request's last step to the next one's, the sum is at most its
-    # value at the next one's last step: the later points bound every start.
-    first = float(profile[-1][0] + 1)  # everything has ended
-    suffix = base_blocks
-    for index in range(len(profile) - 1, 0, -1):
-        suffix = max(suffix, profile[index][1])
-        if suffix + blocks > limit_blocks + 1e-9:
-            break
-        first = 0.0 if index == 1 else float(profile[index - 1][0] + 1)
-    return first
+    return RoomProfile.of(holdings, base_blocks).steps_until_room(blocks, limit_blocks)
+
+
+@dataclass(frozen=True)
+class RoomProfile:
+    """The holdings' sum at each request's last step, with the most it reaches from
+    there on: how long until some more blocks fit for good, in O(log n)."""
+
+    steps: tuple[int, ...]  # step 0, then each last step, ascending
+    suffix_max: tuple[float, ...]  # the most held at these steps and after
+    base_blocks: float
+
+    @staticmethod
+    def of(holdings: Sequence[Holding], base_blocks: float = 0.0) -> RoomProfile:
+        profile = holdings_profile(holdings, base_blocks)
+        suffix = [0.0] * len(profile)
+        most = base_blocks
+        for index in range(len(profile) - 1, -1, -1):
+            most = max(most, profile[index][1])
+            suffix[index] = most
+        return RoomProfile(tuple(step for step, _ in profile), tuple(suffix), base_blocks)
+
+    def steps_until_room(self, blocks: float, limit_blocks: float) -> float:
+        if self.base_blocks + blocks > limit_blocks + 1e-9:
+            return math.inf
+        if len(self.steps) == 1 or self.suffix_max[0] + blocks <= limit_blocks + 1e-9:
+            return 0.0
+        # From just after one request's last step to the next one's, the sum is at most
+        # its value at the next one's last step: the first point from which the suffix
+        # fits gives the answer (the step after the previous point), else after the last.
+        room = limit_blocks + 1e-9 - blocks
+        low, high = 1, len(self.steps)  # suffix_max is non-increasing
+        while low < high:
+            mid = (low + high) // 2
+            if self.suffix_max[mid] <= room:
+                high = mid
+            else:
+                low = mid + 1
+        return float(self.steps[low - 1] + 1)

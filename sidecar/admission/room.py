@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from sidecar.admission.cost import CostModel, RequestCost
-from sidecar.admission.forecast import Holding, holdings_peak, steps_until_room
+from sidecar.admission.forecast import Holding, RoomProfile, holdings_peak
 from sidecar.admission.ledger import Ledger
 from sidecar.admission.prefix import PrefixPlan
 from sidecar.admission.running import AdmissionRequest, Ticket
@@ -46,7 +46,7 @@ _SCAN_TOKENS = 64
 Progress = Callable[[Ticket, float], int]
 
 
-@dataclass(frozen=True)
+@dataclass
 class RunningHoldings:
     """The running requests' holdings (in `tickets` order) and the blocks held
     throughout."""
@@ -55,9 +55,17 @@ class RunningHoldings:
     holdings: tuple[Holding, ...]
     base_blocks: float
     prefill_steps: int  # before a request admitted now is prefilled
+    mean_duration_s: float = 0.0  # predicted prefill + decode, mean over the tickets
+    _profile: RoomProfile | None = None
 
     def peak_blocks(self) -> float:
         return holdings_peak(self.holdings, self.base_blocks)
+
+    @property
+    def profile(self) -> RoomProfile:
+        if self._profile is None:
+            self._profile = RoomProfile.of(self.holdings, self.base_blocks)
+        return self._profile
 
 
 class KVRoom:
@@ -153,7 +161,9 @@ class KVRoom:
                                          exclusive.get(ticket.key, 0), prefills))
         shared_keys = self.ledger.shared_keys - sum(exclusive.get(t.key, 0) for t in tickets)
         base = max(0, shared_keys) * self.ledger.blocks_per_key + self.untracked_blocks
-        return RunningHoldings(tuple(tickets), tuple(holdings), base, prefills)
+        duration = (sum(t.cost.prefill_s + t.cost.decode_s for t in tickets) / len(tickets)
+                    if tickets else 0.0)
+        return RunningHoldings(tuple(tickets), tuple(holdings), base, prefills, duration)
 
     def observe(self, used_blocks: int | None, tickets: Sequence[Ticket],
                 progress: Progress, now: float) -> None:
@@ -235,4 +245,4 @@ class KVRoom:
                          limit_blocks: float) -> float:
         """Steps until `blocks` more blocks fit for good (inf: not even once every
         running request has finished)."""
-        return steps_until_room(running.holdings, blocks, limit_blocks, running.base_blocks)
+        return running.profile.steps_until_room(blocks, limit_blocks)
