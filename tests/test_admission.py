@@ -495,3 +495,26 @@ def test_holdings_peak_and_room_match_a_step_by_step_count(
         # steps within one request's last stretch, never earlier).
         assert first >= fits_from[0]
         assert first in fits_from
+
+
+def test_predicted_wait_is_when_admission_would_let_the_request_in() -> None:
+    """With nobody queued ahead, the wait a deadline is judged on is the step from which
+    the request fits as it grows beside the running requests (not from its peak)."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock)  # target 38
+    loop = FakeClockLoop(clock)
+    try:
+        # 27 blocks now and for its 40 steps: nothing of 12 blocks fits until it ends.
+        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=420, max_tokens=40))
+        blocker.first_token()  # type: ignore[attr-defined]
+        step_s = ctl._step_s(clock())
+        with pytest.raises(Rejected) as late:
+            loop.run_until_complete(admit(ctl, prompt_tokens=150, max_tokens=30,
+                                          ttft_slo_s=1e-6))
+        waited_steps = late.value.decision.details["predicted_ttft_s"] / step_s
+        # Its last step is 40 steps ahead (41 with the step in flight): then it fits.
+        assert 40 <= waited_steps - late.value.decision.details[
+            "predicted_prefill_s"] / step_s <= 42
+        blocker.finish()  # type: ignore[attr-defined]
+    finally:
+        loop.close()

@@ -57,6 +57,9 @@ from sidecar.admission.server_queue import ServerQueueLimits
 from sidecar.admission.sharing import PromptSharing
 
 Clock = Callable[[], float]
+# Up to this many running requests, the wait of a request nobody is queued ahead of is
+# predicted as admission will answer it (O(n log^2 n)); beyond, from its peak.
+_EXACT_WAIT_RUNNING = 64
 
 
 class Mode(StrEnum):
@@ -408,11 +411,17 @@ class AdmissionController:
         room for good, at the predicted time per step; past the last running request, at
         the rate the cache turns over (capacity per request duration)."""
         now = self.clock()
-        blocks = self.queue.blocks_ahead_of(band) + self._charge(request, cost)
+        ahead = self.queue.blocks_ahead_of(band)
+        blocks = ahead + self._charge(request, cost)
         running = self._running_holdings(now)
         target = self.ledger.target_blocks
         step_s = self._step_s(now)
-        steps = self.room.steps_until_room(running, blocks, target)
+        if ahead == 0 and len(running.tickets) <= _EXACT_WAIT_RUNNING:
+            # Nobody ahead: when it fits as it grows (the same answer admission gives).
+            steps = self.room.steps_until_fits(running, request, cost, self._plan(request),
+                                               target)
+        else:
+            steps = self.room.steps_until_room(running, blocks, target)
         if math.isfinite(steps):
             return steps * step_s
         duration = running.mean_duration_s if running.tickets else self._last_duration_s

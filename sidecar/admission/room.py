@@ -26,6 +26,7 @@ time allows) and that it runs until its reserved output; a request that stops ea
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
@@ -240,6 +241,34 @@ class KVRoom:
         every step ahead."""
         holdings = self.with_newcomer(running, request, cost, plan)
         return holdings_peak(holdings, running.base_blocks) <= limit_blocks + 1e-9
+
+    def steps_until_fits(self, running: RunningHoldings, request: AdmissionRequest,
+                         cost: RequestCost, plan: PrefixPlan, limit_blocks: float) -> float:
+        """The first step at which `request`, admitted then (just after a running
+        request's last step), keeps the holdings within `limit_blocks` at every step
+        after; inf when it does not fit even once every running request has ended.
+        Binary search over those steps: a later start finds fewer requests running."""
+        ends = sorted({h.end_steps for h in running.holdings if h.end_steps > 0})
+        starts = [0, *ends]
+
+        def fits_from(step: int) -> bool:
+            shifted = tuple(
+                Holding(min(h.cap_blocks, h.start_blocks + h.blocks_per_step * step),
+                        h.blocks_per_step, h.cap_blocks, h.end_steps - step)
+                for h in running.holdings)
+            later = RunningHoldings(running.tickets, shifted, running.base_blocks, 0)
+            return self.fits(later, request, cost, plan, limit_blocks)
+
+        if not fits_from(starts[-1]):
+            return math.inf
+        low, high = 0, len(starts) - 1
+        while low < high:
+            mid = (low + high) // 2
+            if fits_from(starts[mid]):
+                high = mid
+            else:
+                low = mid + 1
+        return float(starts[low])
 
     def steps_until_room(self, running: RunningHoldings, blocks: float,
                          limit_blocks: float) -> float:
