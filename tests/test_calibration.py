@@ -238,6 +238,25 @@ def test_spread_forgets_a_server_that_changed() -> None:
     assert spread.factors("tpot").samples == 0
 
 
+def test_spread_keeps_loads_apart() -> None:
+    """A request admitted beside 4 others waits for their steps more than the model's
+    average says; one admitted alone does not: each load has its own factors."""
+    spread = Spread()
+    for _ in range(20):
+        spread.observe("ttft", 1.0, 1.0, bucket=0)
+        spread.observe("ttft", 2.0, 1.0, bucket=3)
+    assert spread.factors("ttft", 0).p50 == pytest.approx(1.0)
+    assert spread.factors("ttft", 3).p50 == pytest.approx(2.0)
+    assert spread.factors("ttft", 1).samples >= 12  # too few of its own: all together
+    served = tiny_served()
+    factors = LatencySpread((1.0, 1.0, 1.0, 2.0), (1.5,) * 4, (1.0,) * 4, (1.2,) * 4)
+    model = CostModel(served, factors)
+    alone, crowded = model.cost(300, 20, running=0), model.cost(300, 20, running=5)
+    assert alone.load_bucket == 0 and crowded.load_bucket == 3
+    assert crowded.prefill_s == pytest.approx(2.0 * crowded.prefill_model_s)
+    assert alone.prefill_s == pytest.approx(alone.prefill_model_s)
+
+
 def test_health_warns_of_a_device_that_is_not_the_one_named() -> None:
     served = on(CPU)
     calibrator = Calibrator()
@@ -323,7 +342,7 @@ def test_a_new_model_on_the_same_device_starts_from_the_last_fit() -> None:
 
 def test_costs_carry_p50_and_p90_and_deadlines_use_the_one_asked_for() -> None:
     served = tiny_served()
-    spread = LatencySpread(ttft_p50=1.1, ttft_p90=2.0, tpot_p50=0.9, tpot_p90=1.5)
+    spread = LatencySpread.uniform(ttft_p50=1.1, ttft_p90=2.0, tpot_p50=0.9, tpot_p90=1.5)
     p50 = CostModel(served, spread).cost(300, 50)
     p90 = CostModel(served, spread, "p90").cost(300, 50)
     assert p50.prefill_s == pytest.approx(1.1 * p50.prefill_model_s)
@@ -336,7 +355,7 @@ def test_costs_carry_p50_and_p90_and_deadlines_use_the_one_asked_for() -> None:
 
 def test_a_target_between_p50_and_p90_is_refused_only_on_p90() -> None:
     served = tiny_served()
-    spread = LatencySpread(ttft_p50=1.0, ttft_p90=50.0)
+    spread = LatencySpread.uniform(ttft_p50=1.0, ttft_p90=50.0)
 
     async def decide(quantile: str, target_s: float) -> Decision | None:
         controller = AdmissionController(CostModel(served, spread, quantile))  # type: ignore[arg-type]

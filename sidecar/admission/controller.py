@@ -291,12 +291,14 @@ class AdmissionController:
                 self._retry_after(wait_s),
                 details,
             )
-        if known and request.ttft_slo_s is not None and predicted_ttft > request.ttft_slo_s:
+        # Deadlines are judged on the quantile the operator chose (--deadline-quantile).
+        deadline_ttft = wait_s + cost.deadline_prefill_s
+        if known and request.ttft_slo_s is not None and deadline_ttft > request.ttft_slo_s:
             return cost, Decision(
                 Outcome.DEADLINE,
-                f"predicted time to first token {predicted_ttft:.2f} s exceeds the requested "
+                f"predicted time to first token {deadline_ttft:.2f} s exceeds the requested "
                 f"{request.ttft_slo_s:.2f} s ({ahead} requests waiting ahead)",
-                self._retry_after(max(0.0, predicted_ttft - request.ttft_slo_s)),
+                self._retry_after(max(0.0, deadline_ttft - request.ttft_slo_s)),
                 details,
             )
         if known and wait_s > self.settings.limits.max_wait_s:
@@ -512,7 +514,7 @@ class AdmissionController:
         ))
         timeout = self.settings.limits.max_wait_s
         if deadline is not None:
-            timeout = min(timeout, max(0.0, deadline - now - cost.prefill_s))
+            timeout = min(timeout, max(0.0, deadline - now - cost.deadline_prefill_s))
         try:
             result = await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:
@@ -547,7 +549,7 @@ class AdmissionController:
         waited = now - entry.arrival_s
         retry = self._retry_after(self._kv_wait_s(request, cost, entry.band))
         details = self._details(cost, waited_s=round(waited, 3))
-        if deadline is not None and now + cost.prefill_s >= deadline - 1e-9 and (
+        if deadline is not None and now + cost.deadline_prefill_s >= deadline - 1e-9 and (
             waited < self.settings.limits.max_wait_s
         ):
             return Decision(

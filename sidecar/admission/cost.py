@@ -15,7 +15,7 @@ from functools import lru_cache
 from typing import Literal
 
 from sidecar.model import ServedModel
-from sidecar.model.latency import PRIOR_P90_RATIO
+from sidecar.model.latency import LOAD_BUCKETS, PRIOR_P90_RATIO, load_bucket
 
 DeadlineQuantile = Literal["p50", "p90"]
 
@@ -25,16 +25,30 @@ _PROMPT_BUCKET = 64
 _CONTEXT_BUCKET = 256
 
 
+def _each(value: float) -> tuple[float, ...]:
+    return (value,) * LOAD_BUCKETS
+
+
 @dataclass(frozen=True)
 class LatencySpread:
-    """Multipliers on the model's TTFT and TPOT: its median (p50) and 90th percentile
-    (p90) predictions. Calibration measures them on the server (`calibration.spread`);
-    without it, p50 is the model's own and p90 its prior error spread."""
+    """Multipliers on the model's TTFT and TPOT for its median (p50) and 90th percentile
+    (p90) predictions, one per load bucket (`model.latency.load_bucket`: the requests
+    running at admission). Calibration measures them on the server
+    (`calibration.spread`); without it, p50 is the model's own and p90 its prior
+    error spread."""
 
-    ttft_p50: float = 1.0
-    ttft_p90: float = PRIOR_P90_RATIO["ttft"]
-    tpot_p50: float = 1.0
-    tpot_p90: float = PRIOR_P90_RATIO["tpot"]
+    ttft_p50: tuple[float, ...] = _each(1.0)
+    ttft_p90: tuple[float, ...] = _each(PRIOR_P90_RATIO["ttft"])
+    tpot_p50: tuple[float, ...] = _each(1.0)
+    tpot_p90: tuple[float, ...] = _each(PRIOR_P90_RATIO["tpot"])
+
+    @staticmethod
+    def uniform(ttft_p50: float = 1.0, ttft_p90: float = PRIOR_P90_RATIO["ttft"],
+                tpot_p50: float = 1.0, tpot_p90: float = PRIOR_P90_RATIO["tpot"],
+                ) -> LatencySpread:
+        """The same factors at every load."""
+        return LatencySpread(_each(ttft_p50), _each(ttft_p90), _each(tpot_p50),
+                             _each(tpot_p90))
 
 
 @dataclass(frozen=True)
@@ -57,6 +71,7 @@ class RequestCost:
     prefill_p90_s: float = 0.0
     tpot_p90_s: float = 0.0
     deadline_prefill_s: float = 0.0  # the prefill deadlines are judged on (p50 or p90)
+    load_bucket: int = 0  # of the requests running at admission (model.latency)
 
     @property
     def total_tokens(self) -> int:
@@ -136,10 +151,11 @@ class CostModel:
         peak = self.peak_blocks(prompt_tokens, output_tokens, sequences)
         worst_output = max(output_tokens, self.max_model_len - prompt_tokens)
         shared = min(shared_blocks, peak)
-        spread = self.spread
+        spread, bucket = self.spread, load_bucket(running)
         prefill_model = prefill * slowdown
         tpot_model = self.tpot_s(running + sequences, mean_context or total) * slowdown
-        prefill_p90 = prefill_model * spread.ttft_p90
+        prefill_p50 = prefill_model * spread.ttft_p50[bucket]
+        prefill_p90 = prefill_model * spread.ttft_p90[bucket]
         return RequestCost(
             prompt_tokens=prompt_tokens,
             output_tokens=output_tokens,
@@ -147,18 +163,18 @@ class CostModel:
             kv_blocks=peak - shared,
             worst_case_blocks=self.peak_blocks(prompt_tokens, worst_output, sequences) - shared,
             prefill_flops=self._flops_per_token * (prompt_tokens - cached),
-            prefill_s=prefill_model * spread.ttft_p50,
+            prefill_s=prefill_p50,
             # Engine time only: the API server's per-request work runs beside the engine.
             prefill_work_s=max(0.0, prefill - self.served.efficiency.per_request_s),
-            tpot_s=tpot_model * spread.tpot_p50,
+            tpot_s=tpot_model * spread.tpot_p50[bucket],
             shared_blocks=shared,
             cached_tokens=cached,
             prefill_model_s=prefill_model,
             tpot_model_s=tpot_model,
             prefill_p90_s=prefill_p90,
-            tpot_p90_s=tpot_model * spread.tpot_p90,
-            deadline_prefill_s=(prefill_p90 if self.deadline_quantile == "p90"
-                                else prefill_model * spread.ttft_p50),
+            tpot_p90_s=tpot_model * spread.tpot_p90[bucket],
+            deadline_prefill_s=prefill_p90 if self.deadline_quantile == "p90" else prefill_p50,
+            load_bucket=bucket,
         )
 
     def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int) -> int:

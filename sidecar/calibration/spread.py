@@ -14,6 +14,10 @@ requests land under the p90 while the server behaves as in the window.
   more than `shift` (x or /), the older ratios no longer describe the server
   (restart with other settings, a tenant that arrived, a fit that just converged) and
   are dropped; a server restart drops them too (`reset`);
+- by load: the ratios are kept per load bucket (`model.latency.load_bucket`: the
+  requests running at admission, 0, 1, 2-3, 4+), since a request's wait for the
+  others grows with them in a way the model prices only on average; a bucket with
+  fewer than `min_samples` ratios uses all buckets' together;
 - before `min_samples` ratios: p50 x1 and the prior p90 factor (`PRIOR_P90_RATIO`: the
   model's p90 error on the public measurements it was fitted to, `model.latency`).
 """
@@ -24,6 +28,7 @@ import math
 from collections import deque
 from dataclasses import dataclass
 
+from sidecar.model.latency import LOAD_BUCKETS
 from sidecar.model.latency import PRIOR_P90_RATIO as PRIOR_P90
 
 QUANTITIES = ("ttft", "tpot")
@@ -48,6 +53,34 @@ def quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
 
+class _Window:
+    """The recent ratios of one quantity (and load bucket)."""
+
+    def __init__(self, size: int, recent: int, shift: float) -> None:
+        self.ratios: deque[float] = deque(maxlen=size)
+        self.recent = recent
+        self.shift = shift
+
+    def add(self, ratio: float) -> None:
+        ratios = self.ratios
+        ratios.append(ratio)
+        if len(ratios) >= 2 * self.recent:
+            values = list(ratios)
+            median_recent = quantile(sorted(values[-self.recent:]), 0.5)
+            median_all = quantile(sorted(values), 0.5)
+            if abs(math.log(median_recent / median_all)) > math.log(self.shift):
+                ratios.clear()
+                ratios.extend(values[-self.recent:])
+
+    def factors(self) -> Factors:
+        values = sorted(self.ratios)
+        p50 = quantile(values, 0.5)
+        # The conformal rank: the ceil((n + 1) x 0.9)-th smallest of n ratios is above
+        # the next one with probability >= 0.9.
+        rank = min(len(values), math.ceil((len(values) + 1) * 0.9))
+        return Factors(p50, max(p50, values[rank - 1]), len(values))
+
+
 class Spread:
     def __init__(self, window: int = 64, recent: int = 12, shift: float = 1.3,
                  min_samples: int = 8) -> None:
@@ -55,46 +88,49 @@ class Spread:
         self.recent = recent
         self.shift = shift
         self.min_samples = min_samples
-        self._ratios: dict[str, deque[float]] = {q: deque(maxlen=window) for q in QUANTITIES}
-        self._factors: dict[str, Factors] = {}
+        self._windows: dict[tuple[str, int | None], _Window] = {}
+        self._factors: dict[tuple[str, int], Factors] = {}
+        self.reset()
 
-    def observe(self, quantity: str, observed_s: float, predicted_s: float) -> None:
-        """One completed request: what it took and what the model predicted for it."""
-        ratios = self._ratios[quantity]
+    def observe(self, quantity: str, observed_s: float, predicted_s: float,
+                bucket: int = 0) -> None:
+        """One completed request: what it took, what the model predicted for it, and the
+        load bucket it was admitted in."""
         if not (math.isfinite(observed_s) and math.isfinite(predicted_s)
                 and observed_s > 0 and predicted_s > 0):
             return
-        ratios.append(observed_s / predicted_s)
-        self._factors.pop(quantity, None)
-        if len(ratios) >= 2 * self.recent:
-            values = list(ratios)
-            recent = sorted(values[-self.recent:])
-            median_recent = quantile(recent, 0.5)
-            median_all = quantile(sorted(values), 0.5)
-            if abs(math.log(median_recent / median_all)) > math.log(self.shift):
-                ratios.clear()
-                ratios.extend(values[-self.recent:])
+        ratio = observed_s / predicted_s
+        self._windows[quantity, None].add(ratio)
+        self._windows[quantity, min(LOAD_BUCKETS - 1, max(0, bucket))].add(ratio)
+        self._factors.clear()
 
-    def factors(self, quantity: str) -> Factors:
-        found = self._factors.get(quantity)
+    def factors(self, quantity: str, bucket: int | None = None) -> Factors:
+        """The p50 and p90 factors for requests admitted in `bucket` (None: all)."""
+        key = (quantity, -1 if bucket is None else bucket)
+        found = self._factors.get(key)
         if found is None:
-            values = sorted(self._ratios[quantity])
-            if len(values) < self.min_samples:
-                found = Factors(1.0, PRIOR_P90[quantity], len(values))
+            own = self._windows[quantity, bucket]
+            pooled = self._windows[quantity, None]
+            if len(own.ratios) >= self.min_samples:
+                found = own.factors()
+            elif len(pooled.ratios) >= self.min_samples:
+                found = pooled.factors()
             else:
-                p50 = quantile(values, 0.5)
-                # The conformal rank: the ceil((n + 1) x 0.9)-th smallest of n ratios is
-                # above the next one with probability >= 0.9.
-                rank = min(len(values), math.ceil((len(values) + 1) * 0.9))
-                found = Factors(p50, max(p50, values[rank - 1]), len(values))
-            self._factors[quantity] = found
+                found = Factors(1.0, PRIOR_P90[quantity], len(pooled.ratios))
+            self._factors[key] = found
         return found
 
     def reset(self) -> None:
-        for ratios in self._ratios.values():
-            ratios.clear()
+        self._windows = {(q, b): _Window(self.window, self.recent, self.shift)
+                         for q in QUANTITIES for b in (None, *range(LOAD_BUCKETS))}
         self._factors.clear()
 
-    def status(self) -> dict[str, dict[str, float]]:
-        return {q: {"p50": f.p50, "p90": f.p90, "samples": f.samples}
-                for q in QUANTITIES for f in (self.factors(q),)}
+    def status(self) -> dict[str, object]:
+        out: dict[str, object] = {}
+        for q in QUANTITIES:
+            pooled = self.factors(q)
+            out[q] = {"p50": pooled.p50, "p90": pooled.p90, "samples": pooled.samples,
+                      "by_load": [{"p50": f.p50, "p90": f.p90,
+                                   "samples": len(self._windows[q, b].ratios)}
+                                  for b in range(LOAD_BUCKETS) for f in (self.factors(q, b),)]}
+        return out

@@ -174,6 +174,15 @@ DEFAULT_EFFICIENCY = Efficiency(
 # observed / predicted at the 90th percentile before any calibration: the p90 |error|
 # above (TTFT 45%, TPOT 18%). Calibration replaces them with the server's own spread.
 PRIOR_P90_RATIO = {"ttft": 1.45, "tpot": 1.18}
+# How the spread of observed / predicted is kept apart by the load a request meets: the
+# requests running when it is admitted, 0, 1, 2-3, 4 or more (a request's wait for the
+# others' steps and prefills grows with them, and the model prices it only on average).
+LOAD_BUCKETS = 4
+
+
+def load_bucket(running: int) -> int:
+    """0 for 0 running requests, 1 for 1, 2 for 2-3, 3 for 4 or more."""
+    return min(LOAD_BUCKETS - 1, max(0, running).bit_length())
 
 
 @dataclass(frozen=True)

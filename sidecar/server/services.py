@@ -46,6 +46,7 @@ from sidecar.model import (
     read_architecture,
 )
 from sidecar.model.gpu import with_overrides
+from sidecar.model.latency import LOAD_BUCKETS
 from sidecar.model.served import KV_CACHE_DTYPES
 from sidecar.server.prompt_tokens import PromptCounter
 from sidecar.server.settings import ServeSettings
@@ -447,8 +448,11 @@ class Services:
         """The p50 and p90 factors calibration measured (the priors without it)."""
         if self.calibrator is None:
             return LatencySpread()
-        ttft, tpot = (self.calibrator.spread.factors(q) for q in ("ttft", "tpot"))
-        return LatencySpread(ttft.p50, ttft.p90, tpot.p50, tpot.p90)
+        spread = self.calibrator.spread
+        ttft = [spread.factors("ttft", b) for b in range(LOAD_BUCKETS)]
+        tpot = [spread.factors("tpot", b) for b in range(LOAD_BUCKETS)]
+        return LatencySpread(tuple(f.p50 for f in ttft), tuple(f.p90 for f in ttft),
+                             tuple(f.p50 for f in tpot), tuple(f.p90 for f in tpot))
 
     def calibration_status(self) -> dict[str, object] | None:
         if self.calibrator is None or self.served is None:
@@ -535,9 +539,9 @@ class Services:
         if calibrator is None or served is None:
             return
         # The spread of observed around the model's own prediction, as clients see it.
-        calibrator.spread.observe("ttft", ttft - known_s, cost.prefill_model_s)
+        calibrator.spread.observe("ttft", ttft - known_s, cost.prefill_model_s, cost.load_bucket)
         if tpot is not None:
-            calibrator.spread.observe("tpot", tpot, cost.tpot_model_s)
+            calibrator.spread.observe("tpot", tpot, cost.tpot_model_s, cost.load_bucket)
         if self.controller is not None:
             self.controller.cost_model.spread = self._spread()
         # Deflate by the others' prefill load: the lines fit the engine's own speed.
