@@ -1,20 +1,37 @@
-"""How well kvgate predicts TTFT and TPOT against a real vLLM, before and after it
-calibrates itself, and how fast it follows a server that changes.
+"""Does kvgate's calibration find a real vLLM server from a wrong start, and are its p90
+predictions calibrated? Each case beside a `--no-calibrate` control.
 
-One command: `python bench/calibration.py [--smoke] [--out bench/results/calibration.json]`
+One command: `python bench/calibration.py [--priors generic,x10,/10] [--repeats 3]
+[--changes threads,model] [--smoke] [--out bench/results/calibration.json]`; to keep
+each run short, repetitions can run apart (`--repeats 1 --first-repeat 2`) and be
+merged (`python bench/calibration.py --merge OUT FILE...`: cases and changes of all,
+the summary over them).
 
-It starts a real vLLM CPU server with a small random-weight model and `kvgate serve`
-in front of it (calibration on, CPU device figures), then sends streamed requests of
-varied prompt and output lengths at varied concurrency, each with a unique prompt
-(no prefix-cache hits). For every request it compares kvgate's prediction (response
-headers `x-kvgate-predicted-ttft-ms`, `x-kvgate-predicted-tpot-ms`) with what the
-client observed (send to first token; time per token after it):
+It starts a real vLLM CPU server with a small random-weight model (`small-llama`), then
+for each prior (the device figures kvgate is given) and repetition:
 
-1. before: the first requests, predicted by the uncalibrated analytical model;
-2. after: requests following a warm-up of a few hundred;
-3. change: vLLM is restarted with different settings (CPU threads), kvgate re-learns
-   it without a restart; the absolute percentage error is tracked in windows until
-   its median is back under the bound.
+1. calibrated: a fresh `kvgate serve` with that prior, `WARMUP` requests (100) at
+   concurrency 1-4, then `MEASURED` requests (30) at concurrency 1, 2 and 4;
+2. control: a fresh `kvgate serve --no-calibrate` with the same prior, the same
+   measured requests.
+
+Every request is streamed with a unique prompt of 8-600 words and 8-96 output tokens
+(no prefix-cache hits). For each, observed / predicted TTFT and TPOT: observed by the
+client (send to first token; time per token after it), predicted in kvgate's response
+headers (`x-kvgate-predicted-ttft-ms`, `x-kvgate-predicted-tpot-ms`: its p50). The p90
+coverage is the share of measured requests whose observed value was at or below
+kvgate's p90 prediction (its `kvgate_prediction_p90_covered_total` over
+`kvgate_prediction_error_ratio_count`, read before and after the measured requests).
+
+Priors: `generic` (no device figures: kvgate's generic device), `x10` and `/10` (this
+CPU's rough figures, 20 GB/s and 0.5 TFLOP/s, times and over 10), `cpu` (those
+figures).
+
+Changes (`--changes`): a calibrated kvgate (generic prior) after its warm-up; vLLM is
+restarted behind it with other settings (`threads`: 2 CPU threads instead of 1;
+`model`: another model, `tiny-llama`, a smaller one); then `AFTER_CHANGE` requests
+(50) at concurrency 1-4 and the measured set: the medians in windows of 10 requests
+after the change, and over the measured set.
 """
 
 from __future__ import annotations
@@ -22,11 +39,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +58,24 @@ for extra in (ROOT, ROOT / "tests"):
 
 from bench.common import provenance, write_json  # noqa: E402
 from support.env import free_port, model_dir, vllm_python  # noqa: E402
-from support.sidecar import Sidecar  # noqa: E402
+from support.sidecar import Sidecar, metric_value  # noqa: E402
 from support.vllm_server import VllmServer  # noqa: E402
 
 MODEL = "small-llama"
-BOUND = 0.25
+OTHER_MODEL = "tiny-llama"
+WARMUP = 100
+MEASURED = 30
+AFTER_CHANGE = 50
+WINDOW = 10
+BOUNDS = (0.85, 1.15)  # the median observed / predicted, TTFT and TPOT
+COVERAGE = (0.85, 0.95)  # of the p90
+CPU = (24.0, 20.0, 0.5)  # GiB, GB/s, TFLOP/s: this machine's rough figures
+PRIORS: dict[str, tuple[str, ...]] = {
+    "generic": (),
+    **{name: ("--gpu-memory-gib", str(CPU[0]), "--gpu-bandwidth-gbps", f"{CPU[1] * f:g}",
+              "--gpu-tflops", f"{CPU[2] * f:g}")
+       for name, f in (("x10", 10.0), ("/10", 0.1), ("cpu", 1.0))},
+}
 WORDS = (
     "alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india",
     "juliet", "kilo", "lima", "mike", "november", "oscar", "papa", "quebec", "romeo",
@@ -64,49 +96,47 @@ class Sample:
     observed_tpot_s: float
 
     @property
-    def ttft_ape(self) -> float:
-        return abs(self.predicted_ttft_s - self.observed_ttft_s) / self.observed_ttft_s
+    def ttft_ratio(self) -> float:
+        return self.observed_ttft_s / max(self.predicted_ttft_s, 1e-6)
 
     @property
-    def tpot_ape(self) -> float:
-        return abs(self.predicted_tpot_s - self.observed_tpot_s) / self.observed_tpot_s
+    def tpot_ratio(self) -> float:
+        # The header has 10 us resolution: a prediction below it reads as 0.
+        return self.observed_tpot_s / max(self.predicted_tpot_s, 1e-5)
 
 
-@dataclass
-class Run:
-    samples: list[Sample] = field(default_factory=list)
-
-    def phase(self, name: str) -> list[Sample]:
-        return [s for s in self.samples if s.phase == name]
-
-
-def summarise(samples: list[Sample]) -> dict[str, float]:
+def medians(samples: Sequence[Sample]) -> dict[str, float]:
     if not samples:
-        return {}
-    ttft = sorted(s.ttft_ape for s in samples)
-    tpot = sorted(s.tpot_ape for s in samples)
-
-    def p90(values: list[float]) -> float:
-        return values[min(len(values) - 1, int(0.9 * len(values)))]
-
-    return {
-        "requests": len(samples),
-        "ttft_ape_p50": statistics.median(ttft),
-        "ttft_ape_p90": p90(ttft),
-        "tpot_ape_p50": statistics.median(tpot),
-        "tpot_ape_p90": p90(tpot),
-    }
+        return {"requests": 0}
+    return {"requests": len(samples),
+            "ttft_ratio_p50": statistics.median(s.ttft_ratio for s in samples),
+            "tpot_ratio_p50": statistics.median(s.tpot_ratio for s in samples)}
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, rng: random.Random,
-                      phase: str, concurrency: int, serial: list[int]) -> Sample | None:
-    serial[0] += 1
-    words = rng.randint(8, 600)
-    # A unique head defeats vLLM's prefix cache.
-    prompt = f"request {serial[0]} {rng.random():.12f} " + " ".join(
-        rng.choice(WORDS) for _ in range(words))
-    max_tokens = rng.randint(8, 96)
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+def in_bounds(stats: dict[str, float]) -> bool:
+    return stats.get("requests", 0) > 0 and all(
+        BOUNDS[0] <= stats[f"{q}_ratio_p50"] <= BOUNDS[1] for q in ("ttft", "tpot"))
+
+
+class Workload:
+    """Requests of varied lengths with unique prompts, the same for every run of a seed."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.serial = 0
+
+    def next(self) -> tuple[str, int, int]:
+        self.serial += 1
+        words = self.rng.randint(8, 600)
+        prompt = f"request {self.serial} {self.rng.random():.12f} " + " ".join(
+            self.rng.choice(WORDS) for _ in range(words))
+        return prompt, words, self.rng.randint(8, 96)
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, model: str,
+                      workload: Workload, phase: str, concurrency: int) -> Sample | None:
+    prompt, words, max_tokens = workload.next()
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "ignore_eos": True, "temperature": 0}
     sent = time.monotonic()
     first = None
@@ -129,112 +159,241 @@ async def one_request(session: aiohttp.ClientSession, url: str, rng: random.Rand
                   predicted_tpot, (end - first) / (tokens - 1))
 
 
-async def drive(url: str, run: Run, phase: str, count: int, concurrency: int,
-                rng: random.Random, serial: list[int]) -> None:
-    """Closed loop: `concurrency` clients until `count` requests completed."""
+async def drive(url: str, model: str, samples: list[Sample], phase: str, count: int,
+                concurrency: int, workload: Workload) -> None:
+    """Closed loop: `concurrency` clients until `count` requests were sent."""
     remaining = [count]
-    timeout = aiohttp.ClientTimeout(total=600)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         async def client() -> None:
             while remaining[0] > 0:
                 remaining[0] -= 1
-                sample = await one_request(session, url, rng, phase, concurrency, serial)
+                sample = await one_request(session, url, model, workload, phase, concurrency)
                 if sample is not None:
-                    run.samples.append(sample)
+                    samples.append(sample)
 
         await asyncio.gather(*(client() for _ in range(concurrency)))
 
 
-def start_vllm(port: int, threads: str | None) -> VllmServer:
+async def mixed(url: str, model: str, samples: list[Sample], phase: str, count: int,
+                workload: Workload) -> None:
+    """`count` requests at concurrency 1, 2, 4 and 3 in turn."""
+    levels = (1, 2, 4, 3)
+    for i, concurrency in enumerate(levels):
+        share = count // len(levels) + (1 if i < count % len(levels) else 0)
+        await drive(url, model, samples, phase, share, concurrency, workload)
+
+
+async def measured(sidecar: Sidecar, model: str, samples: list[Sample], phase: str,
+                   count: int, workload: Workload) -> dict[str, float]:
+    """`count` requests at concurrency 1, 2 and 4: medians and kvgate's p90 coverage."""
+    before = sidecar.metrics_text()
+    for concurrency in (1, 2, 4):
+        await drive(sidecar.url, model, samples, phase, count // 3, concurrency, workload)
+    after = sidecar.metrics_text()
+    stats = medians([s for s in samples if s.phase == phase])
+    for quantity in ("ttft", "tpot"):
+        label = f'quantity="{quantity}"'
+        covered = (metric_value(after, "kvgate_prediction_p90_covered_total", label)
+                   - metric_value(before, "kvgate_prediction_p90_covered_total", label))
+        total = (metric_value(after, "kvgate_prediction_error_ratio_count", label)
+                 - metric_value(before, "kvgate_prediction_error_ratio_count", label))
+        stats[f"{quantity}_p90_coverage"] = covered / total if total else math.nan
+        stats[f"{quantity}_p90_checked"] = total
+    return stats
+
+
+def calibration_of(sidecar: Sidecar) -> dict[str, Any] | None:
+    status, body = sidecar.get("/kvgate/v1/calibration")
+    return json.loads(body) if status == 200 else None
+
+
+def start_vllm(port: int, model: str = MODEL, threads: str | None = None) -> VllmServer:
     env = {"VLLM_CPU_OMP_THREADS_BIND": threads} if threads else {}
-    return VllmServer(vllm_python(), str(model_dir(MODEL)), MODEL, port, 2048,
+    return VllmServer(vllm_python(), str(model_dir(model)), model, port, 2048,
                       block_size=128, kv_cache_space_gib=1, env=env).start()
 
 
-async def scenario(smoke: bool, seed: int) -> dict[str, Any]:
-    rng = random.Random(seed)
-    serial = [0]
-    run = Run()
-    warmup = 80 if smoke else 300
-    measure = 30 if smoke else 60
-    window = 20
-    max_after_change = 100 if smoke else 200
-    port = free_port()
-    server = start_vllm(port, None)
-    sidecar = Sidecar(server.url).start()
-    windows: list[dict[str, float]] = []
-    recovered_after: int | None = None
+async def case(server: VllmServer, prior: str, seed: int, warmup: int,
+               count: int) -> dict[str, Any]:
+    """One repetition of one prior: calibrated, then the control."""
+    samples: list[Sample] = []
+    result: dict[str, Any] = {"prior": prior, "seed": seed}
+    sidecar = Sidecar(server.url, device=PRIORS[prior]).start()
     try:
-        await drive(sidecar.url, run, "before", 20, 1, rng, serial)
-        phases = [1, 2, 4, 8, 3]
-        per_phase = max(1, (warmup - 20) // len(phases))
-        for concurrency in phases:
-            await drive(sidecar.url, run, "warmup", per_phase, concurrency, rng, serial)
-        for concurrency in (1, 2, 4):
-            await drive(sidecar.url, run, "after", measure // 3, concurrency, rng, serial)
-        efficiency_before_change = sidecar.state()["efficiency"]
-        # The server restarts with other settings (2 CPU threads instead of 1).
-        server.stop()
-        server = start_vllm(port, "0-1")
-        sidecar.wait_ready(120)
-        sent = 0
-        while sent < max_after_change:
-            phase = f"change-{sent // window}"
-            await drive(sidecar.url, run, phase, window, 2, rng, serial)
-            sent += window
-            stats = summarise(run.phase(phase))
-            windows.append(stats)
-            if stats and max(stats["ttft_ape_p50"], stats["tpot_ape_p50"]) < BOUND:
-                recovered_after = sent
-                break
-        efficiency_after_change = sidecar.state()["efficiency"]
-        calibration = json.loads(sidecar.get("/kvgate/v1/calibration")[1])
+        workload = Workload(seed)
+        await mixed(sidecar.url, MODEL, samples, "warmup", warmup, workload)
+        result["calibrated"] = await measured(sidecar, MODEL, samples, "calibrated", count,
+                                              workload)
+        result["calibration"] = calibration_of(sidecar)
     finally:
         sidecar.stop()
+    control = Sidecar(server.url, "--no-calibrate", device=PRIORS[prior]).start()
+    try:
+        # The same measured requests as the calibrated run's.
+        workload = Workload(seed)
+        for _ in range(warmup):
+            workload.next()
+        result["control"] = await measured(control, MODEL, samples, "control", count, workload)
+    finally:
+        control.stop()
+    result["samples"] = [vars(s) for s in samples]
+    return result
+
+
+async def change(server: VllmServer, kind: str, seed: int, warmup: int, count: int,
+                 after_change: int) -> tuple[dict[str, Any], VllmServer]:
+    """A calibrated kvgate (generic prior) whose server restarts with other settings."""
+    samples: list[Sample] = []
+    sidecar = Sidecar(server.url, device=PRIORS["generic"]).start()
+    try:
+        workload = Workload(seed)
+        await mixed(sidecar.url, MODEL, samples, "warmup", warmup, workload)
+        before = await measured(sidecar, MODEL, samples, "before", count, workload)
+        port = server.port
+        server.stop()
+        model = MODEL
+        if kind == "threads":
+            server = start_vllm(port, MODEL, "0-1")
+        else:
+            model = OTHER_MODEL
+            server = start_vllm(port, OTHER_MODEL)
+        sidecar.wait_ready(120)
+        for window in range(after_change // WINDOW):
+            await mixed(sidecar.url, model, samples, f"change-{window}", WINDOW, workload)
+        after = await measured(sidecar, model, samples, "after", count, workload)
+        calibration = calibration_of(sidecar)
+    finally:
+        sidecar.stop()
+    windows = [medians([s for s in samples if s.phase == f"change-{w}"])
+               for w in range(after_change // WINDOW)]
+    back = next(((i + 1) * WINDOW for i, w in enumerate(windows) if in_bounds(w)), None)
+    return {"change": kind, "seed": seed, "before": before, "windows": windows,
+            "back_in_bounds_after_requests": back, "after": after,
+            "calibration": calibration, "samples": [vars(s) for s in samples]}, server
+
+
+async def benchmark(priors: Sequence[str], repeats: int, changes: Sequence[str],
+                    smoke: bool, first_repeat: int = 1) -> dict[str, Any]:
+    warmup, count, after_change = (40, 15, 20) if smoke else (WARMUP, MEASURED, AFTER_CHANGE)
+    server = start_vllm(free_port())
+    cases: list[dict[str, Any]] = []
+    changed: list[dict[str, Any]] = []
+    try:
+        for repeat in range(first_repeat - 1, first_repeat - 1 + repeats):
+            for prior in priors:
+                cases.append(await case(server, prior, 100 * repeat + 7, warmup, count))
+                print(_case_line(cases[-1]), flush=True)
+        for i, kind in enumerate(changes):
+            result, server = await change(server, kind, 1000 * first_repeat + i, warmup, count,
+                                          after_change)
+            changed.append(result)
+            print(_change_line(result), flush=True)
+            if kind == "model":  # back to the benchmark's model for what follows
+                port = server.port
+                server.stop()
+                server = start_vllm(port)
+    finally:
         server.stop()
     return {
         "model": MODEL,
-        "bound": BOUND,
-        "before": summarise(run.phase("before")),
-        "after": summarise(run.phase("after")),
-        "windows_after_change": windows,
-        "recovered_after_requests": recovered_after,
-        "efficiency_before_change": efficiency_before_change,
-        "efficiency_after_change": efficiency_after_change,
-        "calibration": calibration,
-        "samples": [vars(s) for s in run.samples],
+        "bounds": BOUNDS,
+        "coverage_bounds": COVERAGE,
+        "requests": {"warmup": warmup, "measured": count, "after_change": after_change,
+                     "window": WINDOW},
+        "cases": cases,
+        "changes": changed,
+        "summary": summary(cases, changed),
     }
 
 
+def summary(cases: list[dict[str, Any]], changed: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for run in ("calibrated", "control"):
+        pooled: dict[str, float] = {}
+        for quantity in ("ttft", "tpot"):
+            covered = sum(c[run][f"{quantity}_p90_coverage"] * c[run][f"{quantity}_p90_checked"]
+                          for c in cases if c[run][f"{quantity}_p90_checked"])
+            total = sum(c[run][f"{quantity}_p90_checked"] for c in cases)
+            pooled[f"{quantity}_p90_coverage"] = covered / total if total else math.nan
+        out[run] = {
+            "in_bounds": sum(in_bounds(c[run]) for c in cases),
+            "runs": len(cases),
+            **pooled,
+        }
+    out["changes_back_within"] = {c["change"]: c["back_in_bounds_after_requests"]
+                                  for c in changed}
+    out["changes_after_in_bounds"] = {c["change"]: in_bounds(c["after"]) for c in changed}
+    return out
+
+
+def _case_line(c: dict[str, Any]) -> str:
+    def part(stats: dict[str, float]) -> str:
+        return (f"TTFT {stats['ttft_ratio_p50']:.2f} TPOT {stats['tpot_ratio_p50']:.2f} "
+                f"(p90 coverage {stats['ttft_p90_coverage']:.0%} / "
+                f"{stats['tpot_p90_coverage']:.0%})")
+    return (f"prior {c['prior']:>7} seed {c['seed']:>3}: calibrated {part(c['calibrated'])}"
+            f"   control {part(c['control'])}")
+
+
+def _change_line(c: dict[str, Any]) -> str:
+    windows = " ".join(f"{w['ttft_ratio_p50']:.2f}/{w['tpot_ratio_p50']:.2f}"
+                       for w in c["windows"] if w.get("requests"))
+    after = c["after"]
+    return (f"change {c['change']}: windows of {WINDOW} (TTFT/TPOT median obs/pred) {windows}; "
+            f"back in bounds after {c['back_in_bounds_after_requests']} requests; then "
+            f"{after['ttft_ratio_p50']:.2f}/{after['tpot_ratio_p50']:.2f}")
+
+
+def merge(out: Path, files: Sequence[Path]) -> dict[str, Any]:
+    """One result of several runs: their cases and changes, the summary over them, and
+    each run's record (command, date, machine, revision)."""
+    runs = [json.loads(f.read_text()) for f in files]
+    cases = [c for r in runs for c in r["cases"]]
+    changed = [c for r in runs for c in r["changes"]]
+    merged = {key: runs[0][key] for key in ("model", "bounds", "coverage_bounds", "requests")}
+    merged.update(cases=cases, changes=changed, summary=summary(cases, changed),
+                  runs=[{k: r[k] for k in ("command", "date", "machine", "kvgate_revision",
+                                           "seconds")} for r in runs])
+    write_json(out, merged)
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--merge"]:
+        if len(argv) < 3:
+            raise SystemExit("usage: bench/calibration.py --merge OUT FILE...")
+        print(json.dumps(merge(Path(argv[1]), [Path(a) for a in argv[2:]])["summary"],
+                         indent=2))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="fewer requests (CI)")
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--priors", default="generic,x10,/10",
+                        help=f"comma-separated, of {', '.join(PRIORS)}")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--changes", default="",
+                        help="comma-separated, of threads, model (default none)")
+    parser.add_argument("--first-repeat", type=int, default=1,
+                        help="number of the first repetition (its seeds)")
+    parser.add_argument("--smoke", action="store_true", help="fewer requests")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
+    priors = [p for p in args.priors.split(",") if p]
+    changes = [c for c in args.changes.split(",") if c]
+    unknown = [p for p in priors if p not in PRIORS] + [
+        c for c in changes if c not in ("threads", "model")]
+    if unknown:
+        parser.error(f"unknown prior or change: {', '.join(unknown)}")
     started = time.time()
     record = provenance("bench/calibration.py")
-    result = asyncio.run(scenario(args.smoke, args.seed))
+    result = asyncio.run(benchmark(priors, args.repeats, changes, args.smoke,
+                                   args.first_repeat))
     result.update(record)
     result["seconds"] = round(time.time() - started, 1)
     if args.out:
         write_json(args.out, result)
-    print(_table(result))
+    print(json.dumps(result["summary"], indent=2))
     return 0
-
-
-def _table(result: dict[str, Any]) -> str:
-    rows = [("phase", "requests", "TTFT APE p50", "p90", "TPOT APE p50", "p90")]
-    for name in ("before", "after"):
-        stats = result[name]
-        rows.append((name, str(stats["requests"]), f"{stats['ttft_ape_p50']:.1%}",
-                     f"{stats['ttft_ape_p90']:.1%}", f"{stats['tpot_ape_p50']:.1%}",
-                     f"{stats['tpot_ape_p90']:.1%}"))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    lines.append(f"after the server changed: median error back under {result['bound']:.0%} "
-                 f"after {result['recovered_after_requests']} requests")
-    return "\n".join(lines)
 
 
 if __name__ == "__main__":

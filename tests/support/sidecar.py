@@ -24,11 +24,14 @@ SIDECARS: list[Sidecar] = []
 
 class Sidecar:
     def __init__(self, upstream: str, *args: str, port: int | None = None,
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None,
+                 device: Sequence[str] = CPU_DEVICE) -> None:
+        """`device`: the device flags (default this CPU's figures; () for none: the
+        generic device)."""
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [PYTHON, "-m", "sidecar", "serve", "--upstream", upstream, "--host",
-                     "127.0.0.1", "--port", str(self.port), *CPU_DEVICE, *args]
+                     "127.0.0.1", "--port", str(self.port), *device, *args]
         self.env = {**os.environ, **(env or {})}
         self.log = tempfile.NamedTemporaryFile(prefix="kvgate-", suffix=".log", delete=False)
         # The access log in a file of its own, unless the test says where it goes.
