@@ -162,6 +162,27 @@ def test_requests_beyond_the_servers_request_limit_wait_for_one_to_finish() -> N
     run(scenario())
 
 
+def test_a_waiting_request_stays_queued_while_any_server_limit_is_reached() -> None:
+    ctl = controller(num_blocks=1024, server_limits=ServerQueueLimits(
+        max_requests=2, max_prefill_tokens=1000))
+
+    async def scenario() -> None:
+        first = await ctl.admit(AdmissionRequest(prompt_tokens=50, max_tokens=20))
+        second = await ctl.admit(AdmissionRequest(prompt_tokens=50, max_tokens=20))
+        third = asyncio.ensure_future(ctl.admit(AdmissionRequest(prompt_tokens=50,
+                                                                 max_tokens=20)))
+        await asyncio.sleep(0)
+        first.first_token()  # lets queued requests be looked at: the request limit holds
+        await asyncio.sleep(0)
+        assert not third.done() and ctl.server_queue() == (2, 50)
+        second.finish()
+        ticket = await asyncio.wait_for(third, 1)
+        first.finish()
+        ticket.finish()
+
+    run(scenario())
+
+
 def test_sequences_count_as_vllm_counts_them() -> None:
     ctl = controller(num_blocks=1024, server_limits=ServerQueueLimits(max_requests=4))
 
