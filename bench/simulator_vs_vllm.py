@@ -12,8 +12,8 @@
    median TTFT and TPOT (`fit_efficiency`: physics terms, four numbers for the server,
    none per workload).
 2. Measurement, straight to vLLM: closed loops at c = 1, 2, 4, 8, 16, 32 with fixed and
-   with mixed lengths, an open-loop burst (all requests at once) and a Poisson open
-   loop. Every prompt starts with a unique head (no prefix-cache hits); the client
+   with mixed lengths, open-loop bursts (all requests at once; fixed and mixed) and a
+   Poisson open loop. Every prompt starts with a unique head (no prefix-cache hits); the client
    records each request's send time, first token, last token and prompt tokens (usage).
 3. Prediction of the same requests: the simulator replays them (each closed-loop
    client's own requests in its order; the open loops' measured send times) on the
@@ -308,14 +308,15 @@ async def measure_all(url: str, shape: ServerShape, efficiency: Efficiency | Non
             label = "mixed" if mixed else "fixed"
             await run_closed(f"closed c={clients} {label}", clients,
                              shapes(count, mixed, rng, fixed))
-    for name, count, gaps in (
-            ("open burst", burst, [0.0] * burst),
-            (f"open poisson {rate:g}/s", rate_requests,
-             [rng.expovariate(rate) if rate else 0.0 for _ in range(rate_requests)])):
+    for name, count, gaps, mixed in (
+            ("open burst fixed", burst if mixed_too else 0, [0.0] * burst, False),
+            ("open burst mixed", burst, [0.0] * burst, True),
+            (f"open poisson {rate:g}/s mixed", rate_requests,
+             [rng.expovariate(rate) if rate else 0.0 for _ in range(rate_requests)], True)):
         if not count:
             continue
         before = preemptions_total(url)
-        work = shapes(count, True, rng, fixed)
+        work = shapes(count, mixed, rng, fixed)
         observed = await open_loop(url, shape.served_name, work, gaps, serial[0])
         serial[0] += count
         results.append(compare(name, observed, served, None, preemptions_total(url) - before))
