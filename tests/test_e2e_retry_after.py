@@ -1,0 +1,85 @@
+"""A client that is refused with `Retry-After` and retries after it gets in: kvgate in
+front of a real vLLM CPU server with a small KV cache (64 blocks of 32 tokens) and no
+queue, so a request that does not fit beside a running one is refused at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+
+from support.load import PROMPT, stream_completion
+from support.sidecar import Sidecar
+from support.vllm_server import VllmServer
+
+pytestmark = [pytest.mark.vllm]
+
+# The holder: ~90 prompt + 900 output tokens (31 blocks); the retrying client: a prompt
+# of its own (no shared prompt block), its output clamped to the context (32 blocks).
+# Together they need more than the 59 blocks kvgate reserves up to.
+MAX_TOKENS = 900
+OTHER_PROMPT = "Pack my box with five dozen liquor jugs, said the wizard. " * 7
+LONGEST_WAIT_S = 60.0  # a client waits at most this long in all
+
+
+async def attempt(session: aiohttp.ClientSession, url: str) -> tuple[int, dict[str, Any]]:
+    """Send the request; on 200 read only the first event, then leave (its stream is
+    aborted); else read the refusal."""
+    body = {"model": "tiny-llama", "prompt": OTHER_PROMPT, "max_tokens": MAX_TOKENS,
+            "stream": True, "ignore_eos": True}
+    async with session.post(url + "/v1/completions", json=body) as response:
+        if response.status == 200:
+            await response.content.readline()
+            return 200, dict(response.headers)
+        return response.status, {"retry_after": response.headers.get("Retry-After"),
+                                 "body": await response.json(content_type=None)}
+
+
+async def test_a_client_retrying_after_retry_after_gets_in(small_kv_vllm: VllmServer) -> None:
+    with Sidecar(small_kv_vllm.url, "--queue-max-length", "0") as sidecar:
+        timeout = aiohttp.ClientTimeout(total=120)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            started = time.monotonic()
+            ended: list[float] = []
+
+            async def hold() -> dict[str, Any]:
+                result = await stream_completion(session, sidecar.url, MAX_TOKENS,
+                                                 prompt=PROMPT)
+                ended.append(time.monotonic() - started)
+                return result
+
+            holder = asyncio.create_task(hold())
+            while sidecar.state()["admission"]["inflight"] == 0:
+                assert not holder.done(), holder.result()
+                await asyncio.sleep(0.05)
+            refusals: list[tuple[float, dict[str, Any]]] = []
+            waited_s = 0.0
+            while True:
+                status, answer = await attempt(session, sidecar.url)
+                if status == 200:
+                    got_in_s = time.monotonic() - started
+                    break
+                assert status == 429, (status, answer)
+                assert answer["body"]["error"]["code"] == "queue_full", answer
+                retry_after = answer["retry_after"]
+                assert retry_after is not None and retry_after.isdigit(), answer
+                refusals.append((time.monotonic() - started, answer))
+                waited_s += int(retry_after)
+                assert waited_s <= LONGEST_WAIT_S, f"still refused after {refusals}"
+                await asyncio.sleep(int(retry_after))
+            held = await holder
+        sidecar.wait_idle()
+
+    assert held["status"] == 200, held
+    # The control: the first try was refused while the other request held the cache.
+    assert refusals, "the second request should not fit beside the first"
+    assert refusals[0][0] < ended[0]
+    assert refusals[0][1]["body"]["kvgate"]["reserved_blocks"] > 0, refusals[0]
+    # Retry-After was computed from when the cache frees: the client got in within a
+    # few tries, and no later than shortly after the running request ended (kvgate may
+    # let it in a little before, as the running request's last steps free its blocks).
+    assert len(refusals) <= 4, refusals
+    assert got_in_s <= ended[0] + 2.0, (got_in_s, ended, refusals)
