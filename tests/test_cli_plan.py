@@ -60,6 +60,18 @@ def test_latency_under_load_comes_from_the_simulator(
         alone["closed_form"]["ttft_s"], rel=0.1)  # type: ignore[index]
 
 
+def test_a_target_no_seat_meets_is_said(capsys: pytest.CaptureFixture[str]) -> None:
+    # 1 ms TTFT: no prefill of 2,000 tokens is that fast, even alone.
+    args = ("--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--prompt-tokens", "2000",
+            "--ttft-slo-ms", "1", "--arrival-rate", "2")
+    rec = plan_json(capsys, *args)["recommendation"]
+    assert isinstance(rec, dict)
+    assert rec["max_num_seqs"] == 1 and rec["limited_by"] == "ttft-slo"
+    assert rec["targets_met"] is False
+    assert main(["plan", *args]) == 0
+    assert "NOT MET" in capsys.readouterr().out
+
+
 def test_max_num_seqs_is_the_largest_that_meets_the_targets(
         capsys: pytest.CaptureFixture[str]) -> None:
     from sidecar.cli.plan import plan_input
@@ -72,6 +84,7 @@ def test_max_num_seqs_is_the_largest_that_meets_the_targets(
     assert isinstance(rec, dict)
     seats = rec["max_num_seqs"]
     assert rec["source"] == "simulator" and rec["limited_by"] in ("tpot-slo", "ttft-slo")
+    assert rec["targets_met"] is True
     assert rec["tpot_p90_s_at_max"] <= 0.060 and rec["ttft_p90_s_at_max"] <= 1.5
     simulator = PlanSimulator(plan_input(build_parser().parse_args(args)).served, 2000, 200)
     assert simulator.closed_loop(seats + 1, seats + 1).meets(1.5, 0.060) == rec["limited_by"]

@@ -218,6 +218,8 @@ def format_report(result: dict[str, Any]) -> str:
                           f"TTFT {_ms(rec['ttft_p90_s_at_max'])}, "
                           f"TPOT {_ms(rec['tpot_p90_s_at_max'])}, "
                           f"{rec['throughput_per_replica_per_s']:,.2f} req/s per replica"])
+    if rec.get("targets_met") is False:
+        plan_rows.append(["targets", "NOT MET, even at the recommendation (see p90 above)"])
     if rec["concurrency_needed"] is not None:
         plan_rows.append([f"in flight at {rec['arrival_rate']:g} req/s (Little's law)",
                           f"{rec['concurrency_needed']:,.1f}"])
@@ -300,6 +302,7 @@ def apply_simulator(result: dict[str, Any], inputs: PlanInput) -> None:
         "ttft_p90_s_at_max": rec.at_max.ttft_p90_s,
         "tpot_p90_s_at_max": rec.at_max.tpot_p90_s,
         "throughput_per_replica_per_s": rec.at_max.throughput_per_s,
+        "targets_met": rec.targets_met,
         "per_replica_open_loop": None if rec.per_replica is None else
         rec.per_replica.as_dict(),
     })

@@ -71,6 +71,7 @@ class SimulatedRecommendation:
     replicas: int | None  # with an arrival rate
     per_replica: LoadPoint | None  # the open loop at rate / replicas
     concurrency_needed: float | None  # in flight over all replicas (Little's law)
+    targets_met: bool = True  # False: even 1 seat, or MAX_EXTRA_REPLICAS more, miss them
 
 
 class PlanSimulator:
@@ -155,8 +156,9 @@ class PlanSimulator:
                     high = mid - 1
             limit, limited_by = low, missed(low + 1) or reason
         at_max = self.closed_loop(limit, limit)
+        met = at_max.meets(ttft_target_s, tpot_target_s) is None
         if not arrival_rate_per_s:
-            return SimulatedRecommendation(limit, limited_by, at_max, None, None, None)
+            return SimulatedRecommendation(limit, limited_by, at_max, None, None, None, met)
         replicas = max(1, math.ceil(arrival_rate_per_s / at_max.throughput_per_s)) \
             if at_max.throughput_per_s > 0 else 1
         per_replica = self.open_loop(arrival_rate_per_s / replicas, limit)
@@ -167,4 +169,6 @@ class PlanSimulator:
                 replicas += 1
                 per_replica = self.open_loop(arrival_rate_per_s / replicas, limit)
         needed = arrival_rate_per_s * per_replica.e2e_mean_s
-        return SimulatedRecommendation(limit, limited_by, at_max, replicas, per_replica, needed)
+        met = met and per_replica.meets(ttft_target_s, tpot_target_s) is None
+        return SimulatedRecommendation(limit, limited_by, at_max, replicas, per_replica, needed,
+                                       met)
