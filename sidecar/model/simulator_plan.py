@@ -162,7 +162,7 @@ class PlanSimulator:
         replicas = max(1, math.ceil(arrival_rate_per_s / at_max.throughput_per_s)) \
             if at_max.throughput_per_s > 0 else 1
         per_replica = self.open_loop(arrival_rate_per_s / replicas, limit)
-        if ttft_target_s or tpot_target_s:
+        if (ttft_target_s or tpot_target_s) and met:  # else no replica count helps
             for _ in range(MAX_EXTRA_REPLICAS):
                 if per_replica.meets(ttft_target_s, tpot_target_s) is None:
                     break
