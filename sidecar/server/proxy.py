@@ -44,7 +44,10 @@ HOP_BY_HOP = frozenset({
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "transfer-encoding", "upgrade", "host", "content-length",
 })
-STEERING = frozenset({PRIORITY, TENANT, TTFT_SLO})
+# vLLM's header pinning a request to one data-parallel engine; a client's own is dropped
+# (kvgate decides where the KV room is).
+DATA_PARALLEL_RANK = "x-data-parallel-rank"
+STEERING = frozenset({PRIORITY, TENANT, TTFT_SLO, DATA_PARALLEL_RANK})
 # Proxied requests running now, which the drain cuts off at its end (with DRAIN_CUT).
 RUNNING = web.AppKey("running", set[asyncio.Task[Any]])
 DRAIN_CUT = "kvgate: drain timeout"
@@ -60,6 +63,17 @@ def _forward_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMult
         if name.lower() not in drop:
             kept.add(name, value)
     return kept
+
+
+def _engine_pinned(headers: CIMultiDict[str], services: Services,
+                   ticket: Ticket | None) -> CIMultiDict[str]:
+    """With data parallelism, the request goes to the engine whose KV pool kvgate
+    reserved it on (vLLM's `X-data-parallel-rank`), not where vLLM's balancer would
+    put it by load."""
+    controller = services.controller
+    if ticket is not None and controller is not None and controller.ledger.engines > 1:
+        headers[DATA_PARALLEL_RANK] = str(ticket.reservation.engine)
+    return headers
 
 
 def _unavailable(message: str) -> web.Response:
@@ -204,8 +218,9 @@ async def forward(
                 request.rel_url.path_qs,
                 # aiohttp streams a BytesIO; a large bytes object would block the loop.
                 (io.BytesIO(raw) if len(raw) > LARGE_BODY_BYTES else raw) if raw else None,
-                record.upstream_headers(
-                    _forward_headers(request.headers, HOP_BY_HOP | STEERING)),
+                record.upstream_headers(_engine_pinned(
+                    _forward_headers(request.headers, HOP_BY_HOP | STEERING), services,
+                    ticket)),
                 timeout,
             )
         except (aiohttp.ClientError, TimeoutError) as exc:
