@@ -27,12 +27,14 @@ host costs (nothing is fitted on fewer than `MIN_ROWS_PER_ENGINE` rows).
 from __future__ import annotations
 
 import argparse
+import csv
 import math
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +84,23 @@ def family(case: LatencyCase) -> str:
         if marker.lower() in case.model.lower():
             return name
     raise ValueError(f"{case.ref}: model {case.model!r} is in no family of FAMILIES")
+
+
+@cache
+def _sources() -> dict[str, str]:
+    """Each latency row's source: the repository its source_url names."""
+    with (ROOT / "tests" / "data" / "groundtruth" / "latency.csv").open(
+            encoding="utf-8", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    return {f"latency.csv:{line}": "/".join(row["source_url"].split("/")[3:5])
+            for line, row in enumerate(rows, start=1)}
+
+
+def source(case: LatencyCase) -> str:
+    return _sources()[case.ref]
+
+
+GROUPINGS: dict[str, Callable[[LatencyCase], str]] = {"family": family, "source": source}
 
 
 def usable_cases() -> list[LatencyCase]:
@@ -214,16 +233,18 @@ class Prediction:
         return abs(self.predicted_ms / self.measured_ms - 1)
 
 
-def cross_validate(cases: Sequence[LatencyCase] | None = None,
-                   rounds: int = 5) -> tuple[list[Prediction], dict[str, dict[str, float]]]:
-    """Leave-one-family-out predictions of every usable row, and each fold's terms."""
+def cross_validate(cases: Sequence[LatencyCase] | None = None, rounds: int = 5,
+                   by: str = "family") -> tuple[list[Prediction], dict[str, dict[str, float]]]:
+    """Leave-one-group-out predictions of every usable row (groups: model families, or
+    `by="source"` the measurements' sources), and each fold's terms."""
     cases = list(cases if cases is not None else usable_cases())
+    group = GROUPINGS[by]
     out: list[Prediction] = []
     folds: dict[str, dict[str, float]] = {}
-    for held in sorted({family(c) for c in cases}):
-        values = fit([c for c in cases if family(c) != held], rounds)
+    for held in sorted({group(c) for c in cases}):
+        values = fit([c for c in cases if group(c) != held], rounds)
         folds[held] = values
-        for case in (c for c in cases if family(c) == held):
+        for case in (c for c in cases if group(c) == held):
             assert case.ttft_ms is not None and case.tpot_ms is not None
             efficiency = efficiency_for(values, case.engine)
             if case.kind == "steady":
@@ -234,7 +255,7 @@ def cross_validate(cases: Sequence[LatencyCase] | None = None,
                 band = BANDS[1]
             for quantity, predicted, measured in (("ttft", ttft, case.ttft_ms),
                                                   ("tpot", tpot, case.tpot_ms)):
-                out.append(Prediction(case.ref, case.model, held, case.engine, band,
+                out.append(Prediction(case.ref, case.model, family(case), case.engine, band,
                                       quantity, predicted * 1e3, measured))
     return out, folds
 
@@ -270,31 +291,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5, help="coordinate-search rounds")
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    predictions, folds = cross_validate(rounds=args.rounds)
-    table = summary(predictions)
-    print("Out-of-fold absolute percentage error (leave one model family out)")
-    print(render([[e["engine"], e["band"], str(e["ttft"]["rows"]),
-                   f"{e['ttft']['median_ape']:.1%}", f"{e['ttft']['p90_ape']:.1%}",
-                   f"{e['tpot']['median_ape']:.1%}", f"{e['tpot']['p90_ape']:.1%}"]
-                  for e in table],
-                 ["engine", "band", "rows", "TTFT p50", "TTFT p90", "TPOT p50", "TPOT p90"]))
-    print("\nFitted terms per held-out family")
-    names = list(NEUTRAL_START)
-    print(render([[held, *(f"{values[n]:.3g}" for n in names)] for held, values in folds.items()],
-                 ["held out", *names]))
+    record: dict[str, Any] = {}
+    for by in GROUPINGS:
+        predictions, folds = cross_validate(rounds=args.rounds, by=by)
+        table = summary(predictions)
+        print(f"Out-of-fold absolute percentage error (leave one {by} out)")
+        print(render([[e["engine"], e["band"], str(e["ttft"]["rows"]),
+                       f"{e['ttft']['median_ape']:.1%}", f"{e['ttft']['p90_ape']:.1%}",
+                       f"{e['tpot']['median_ape']:.1%}", f"{e['tpot']['p90_ape']:.1%}"]
+                      for e in table],
+                     ["engine", "band", "rows", "TTFT p50", "TTFT p90", "TPOT p50",
+                      "TPOT p90"]))
+        print(f"\nFitted terms per held-out {by}")
+        names = list(NEUTRAL_START)
+        print(render([[held, *(f"{values[n]:.3g}" for n in names)]
+                      for held, values in folds.items()], ["held out", *names]))
+        print()
+        record[f"by_{by}"] = {"folds": folds, "summary": table,
+                              "rows": [vars(p) | {"ape": p.ape} for p in predictions]}
     if args.json:
         from bench.common import provenance, write_json
-        record = provenance("bench/model_cv.py" + (f" --rounds {args.rounds}"
-                                                   if args.rounds != 5 else ""))
-        record.update({
-            "method": "leave one model family out; fit on the other families' steady rows "
-                      "from a fixed prior; burst rows predicted by the engine simulator",
-            "families": FAMILIES, "prior": NEUTRAL_START, "folds": folds,
-            "summary": table, "rows": [vars(p) | {"ape": p.ape} for p in predictions],
+        run = provenance("bench/model_cv.py" + (f" --rounds {args.rounds}"
+                                                if args.rounds != 5 else ""))
+        run.update({
+            "method": "leave one model family out, and leave one source out; fit on the "
+                      "other groups' steady rows from a fixed prior; burst rows predicted "
+                      "by the engine simulator",
+            "families": FAMILIES, "prior": NEUTRAL_START, **record,
             "seconds": round(time.perf_counter() - started, 1),
         })
-        write_json(args.json, record)
-        print(f"\nwrote {args.json}")
+        write_json(args.json, run)
+        print(f"wrote {args.json}")
     return 0
 
 
