@@ -91,9 +91,10 @@ def build_parser(prog: str = "kvgate plan") -> Parser:
     load.add_argument("--calibration", type=Path, metavar="FILE",
                       help="efficiencies saved by a live sidecar (GET /kvgate/v1/calibration)")
     load.add_argument("--simulate", action="store_true",
-                      help="also run the engine simulator (`kvgate simulate`) on this workload: "
-                      "a closed loop of --concurrency clients and, with --arrival-rate, a "
-                      "Poisson open loop, printed beside the closed form (needs a GPU)")
+                      help="also print the engine simulator's full summaries (`kvgate "
+                      "simulate`) of this workload: a closed loop of --concurrency clients "
+                      "started together and, with --arrival-rate, a Poisson open loop at "
+                      "that rate on one replica (needs a GPU)")
 
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
