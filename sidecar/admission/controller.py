@@ -12,7 +12,8 @@ Decision at arrival, in order:
    `never_fits`, naming the largest max_tokens that fits. A max_tokens beyond the
    context left is reserved as vLLM serves it: clamped (0.32 and later; releases that
    refuse it answer the client themselves);
-3. headroom now, room in the server's own queue limits (`server_queue`: vLLM's
+3. room in the KV cache now (`room`: with it, what the running requests hold stays
+   within the target at every engine step ahead), room in the server's own queue limits (`server_queue`: vLLM's
    --max-num-queued-reqs / --max-num-queued-tokens, when set) and nobody of the same or a
    more important band waiting -> admit;
 4. queue full -> `queue_full`; predicted TTFT (wait + prefill) beyond the request's
@@ -20,7 +21,7 @@ Decision at arrival, in order:
    (`queue_timeout`, or `deadline` once it can no longer make its target) or
    abandoned by the client (`cancelled`).
 Every rejection for capacity carries a Retry-After computed from when running
-requests are predicted to release enough KV.
+requests are predicted to release enough KV (the same holdings over the steps ahead).
 
 In shadow mode every request is admitted at once; the decision enforce mode would
 have taken is reported to the listener instead.
