@@ -13,9 +13,9 @@ Decision at arrival, in order:
    context left is reserved as vLLM serves it: clamped (0.32 and later; releases that
    refuse it answer the client themselves);
 3. room in the KV cache now (`room`: with it, what the running requests hold stays
-   within the target at every engine step ahead), room in the server's own queue limits (`server_queue`: vLLM's
-   --max-num-queued-reqs / --max-num-queued-tokens, when set) and nobody of the same or a
-   more important band waiting -> admit;
+   within the target at every engine step ahead), room in the server's own queue
+   limits (`server_queue`: vLLM's --max-num-queued-reqs / --max-num-queued-tokens, when
+   set) and nobody of the same or a more important band waiting -> admit;
 4. queue full -> `queue_full`; predicted TTFT (wait + prefill) beyond the request's
    target -> `deadline`; else wait in the queue, until admitted, timed out
    (`queue_timeout`, or `deadline` once it can no longer make its target) or
@@ -385,6 +385,11 @@ class AdmissionController:
             return False
         plan = self._plan(request)
         charge = cost.kv_blocks + cost.shared_blocks - self.sharing.shared_blocks(plan)
+        if self.ledger.engines > 1:
+            # Data parallelism: one pool per engine, each request placed on one of them
+            # by its peak (`ledger.place`); the holdings over time assume one pool.
+            own = self.sharing.own_blocks(cost.kv_blocks + cost.shared_blocks, plan)
+            return self.ledger.place(own, plan.keys) is not None
         target = self.ledger.target_blocks
         if self.ledger.reserved_blocks + self.room.untracked_blocks + charge <= target:
             return True
