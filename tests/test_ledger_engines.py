@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from sidecar.admission.ledger import Ledger, LedgerError
@@ -103,3 +105,50 @@ def test_bad_engines_are_refused() -> None:
     ledger = Ledger(100, engines=2)
     with pytest.raises(LedgerError, match="engine 2"):
         ledger.reserve(1, engine=2)
+
+
+# ---- the controller with data parallelism --------------------------------------------
+
+
+def test_the_controller_places_each_request_on_one_engine() -> None:
+    import asyncio
+
+    from sidecar.admission import AdmissionRequest, Outcome, Rejected
+
+    from support.admission_fixtures import controller
+
+    async def scenario() -> None:
+        # Each engine: 63 usable blocks x 0.95 = 59 blocks of 16 tokens.
+        two = controller(num_blocks=64, engines=2)
+        big = AdmissionRequest(prompt_tokens=500, max_tokens=300)  # 50 blocks
+        first = await two.admit(big)
+        second = await two.admit(big)
+        # Two such requests fit, one on each engine (one engine's pool holds one).
+        assert {first.reservation.engine, second.reservation.engine} == {0, 1}
+        assert two.ledger.reserved_blocks == 100
+        # A request larger than one engine's pool never fits, whatever both hold.
+        with pytest.raises(Rejected) as never:
+            await two.admit(AdmissionRequest(prompt_tokens=900, max_tokens=200))
+        assert never.value.decision.outcome is Outcome.NEVER_FITS
+        first.finish()
+        second.finish()
+        assert two.ledger.reserved_blocks == 0
+
+    asyncio.run(scenario())
+
+
+def test_the_proxy_pins_the_request_to_its_engine() -> None:
+    from types import SimpleNamespace
+
+    from multidict import CIMultiDict
+
+    from sidecar.server.proxy import _engine_pinned
+
+    def services(engines: int) -> Any:
+        return SimpleNamespace(controller=SimpleNamespace(ledger=Ledger(100, engines=engines)))
+
+    ticket: Any = SimpleNamespace(reservation=SimpleNamespace(engine=1))
+    pinned = _engine_pinned(CIMultiDict(), services(2), ticket)
+    assert pinned["X-Data-Parallel-Rank"] == "1"
+    assert "x-data-parallel-rank" not in _engine_pinned(CIMultiDict(), services(1), ticket)
+    assert "x-data-parallel-rank" not in _engine_pinned(CIMultiDict(), services(2), None)

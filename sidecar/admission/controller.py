@@ -84,6 +84,9 @@ class AdmissionSettings:
     retry_after_max_s: float = 600.0
     unavailable_retry_after_s: float = 5.0
     server_limits: ServerQueueLimits = field(default_factory=ServerQueueLimits)
+    # vLLM's --data-parallel-size: engines with a KV pool each (the ledger places every
+    # request on one; the proxy pins it there).
+    engines: int = 1
 
     def __post_init__(self) -> None:
         if self.ordering not in ORDERINGS:
@@ -146,7 +149,8 @@ class AdmissionController:
         self.server = ServerState()
         model_capacity = cost_model.served.capacity
         self._model_capacity = model_capacity.usable_blocks if model_capacity else None
-        self.ledger = Ledger(self._model_capacity or 0, self.settings.kv_target_ratio)
+        self.ledger = Ledger(self._model_capacity or 0, self.settings.kv_target_ratio,
+                             engines=self.settings.engines)
         self.queue = AdmissionQueue(
             ORDERINGS[self.settings.ordering](),
             FAIRNESS[self.settings.fairness](),

@@ -287,6 +287,7 @@ class Services:
             output_quantile=s.output_quantile,
             max_overcommit_ratio=s.max_overcommit_ratio,
             server_limits=ServerQueueLimits(s.max_num_queued_reqs, s.max_num_queued_tokens),
+            engines=s.data_parallel_size,
         )
 
     # ---- learning the server ---------------------------------------------------------
