@@ -31,6 +31,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+# The fit is re-solved after every observation for its first REFIT_SHARE of them, then
+# after every since_reset // REFIT_SHARE observations, at most REFIT_MAX apart.
+REFIT_SHARE = 50
+REFIT_MAX = 16
+
 
 def solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
     """Gaussian elimination with partial pivoting; None when (nearly) singular."""
@@ -72,6 +77,7 @@ class RobustFit:
     restarts: int = 0  # restarts on drift
     _run: int = 0  # consecutive observations off the same way (signed)
     _solved: list[float] | None = field(default=None, init=False, repr=False, compare=False)
+    _unsolved: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         n = len(self.prior)
@@ -92,6 +98,7 @@ class RobustFit:
         """The fitted rates, each within its bounds."""
         if self._solved is None:
             self._solved = self._fit()
+            self._unsolved = 0
         return self._solved[:]
 
     def predict(self, x: Sequence[float]) -> float:
@@ -165,7 +172,12 @@ class RobustFit:
         decay = 0.5 ** (1.0 / self.half_life)
         scale = y * (typical if typical is not None and typical > 0 else y)
         w = weight * influence / scale
-        self._solved = None
+        # Re-solved after every observation while the fit is young, then after every
+        # since_reset // REFIT_SHARE of them (at most REFIT_MAX): one observation moves a
+        # fit of hundreds by little, and solving costs more than a request's admission.
+        self._unsolved += 1
+        if self._unsolved >= min(REFIT_MAX, max(1, self.since_reset // REFIT_SHARE)):
+            self._solved = None
         for i in range(self.size):
             self.sxy[i] = self.sxy[i] * decay + w * values[i] * y
             row = self.sxx[i]
