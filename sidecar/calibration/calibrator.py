@@ -175,7 +175,11 @@ class Calibrator:
         mean = self._typical_log_s.get(kind)
         mean = math.log(y) if mean is None else 0.95 * mean + 0.05 * math.log(y)
         self._typical_log_s[kind] = mean
+        restarts = self._fit.restarts
         if self._fit.observe(features, y, weight, math.exp(mean)) is not None:
+            if self._fit.restarts != restarts:
+                # The fit found the server elsewhere: ratios to its old predictions go.
+                self.spread.reset()
             self._fitted = True
             self._counts[kind] += 1
             self._saved_later(served)

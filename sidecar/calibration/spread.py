@@ -10,10 +10,11 @@ prediction on a sliding window: whatever the model's errors, about 90% of the ne
 requests land under the p90 while the server behaves as in the window.
 
 - window: the last `window` ratios of each quantity;
-- a change: when the median of the last `recent` ratios differs from the window's by
-  more than `shift` (x or /), the older ratios no longer describe the server
-  (restart with other settings, a tenant that arrived, a fit that just converged) and
-  are dropped; a server restart drops them too (`reset`);
+- a change: when the median of the last `recent` ratios (half the window while it
+  holds fewer than 2 x `recent`) differs from the window's by more than `shift` (x or
+  /), the older ratios no longer describe the server (restart with other settings, a
+  tenant that arrived, a fit that just converged) and are dropped; a server restart,
+  or the fit restarting on a drift, drops them all (`reset`);
 - by load: the ratios are kept per load bucket (`model.latency.load_bucket`: the
   requests running at admission, 0, 1, 2-3, 4+), since a request's wait for the
   others grows with them in a way the model prices only on average; a bucket with
@@ -64,13 +65,16 @@ class _Window:
     def add(self, ratio: float) -> None:
         ratios = self.ratios
         ratios.append(ratio)
-        if len(ratios) >= 2 * self.recent:
+        # The last `recent` (half the window while it is short: a fit converging from a
+        # far prior moves the ratios within a few requests) against all of them.
+        recent = min(self.recent, len(ratios) // 2)
+        if recent >= 4:
             values = list(ratios)
-            median_recent = quantile(sorted(values[-self.recent:]), 0.5)
+            median_recent = quantile(sorted(values[-recent:]), 0.5)
             median_all = quantile(sorted(values), 0.5)
             if abs(math.log(median_recent / median_all)) > math.log(self.shift):
                 ratios.clear()
-                ratios.extend(values[-self.recent:])
+                ratios.extend(values[-recent:])
 
     def factors(self) -> Factors:
         values = sorted(self.ratios)
