@@ -667,14 +667,25 @@ LAYOUT: list[tuple[Panel, int, int]] = [
     ),
     (
         timeseries(
-            "Tokenizer fallbacks",
-            "Requests whose prompt kvgate could not tokenize exactly and estimated instead "
-            "(a rising rate makes KV predictions less exact).",
+            "Prompt counting",
+            "Who counted each prompt: local (kvgate's tokenizer: no round trip to the "
+            "server), server (its /tokenize: the first checks of each request shape, shapes "
+            "whose ids differed, prompts with images) or estimate (neither could: KV "
+            "predictions less exact); and the checks of local ids against the server's "
+            "(a mismatch sends that shape to the server for good).",
             [
                 target(
-                    f"sum by (instance) (rate(kvgate_tokenize_fallback_total{{{K}}}[{RI}]))",
-                    "{{instance}}",
-                )
+                    f"sum by (source) (rate(kvgate_prompt_tokens_counted_total{{{K}}}[{RI}]))",
+                    "counted: {{source}}",
+                ),
+                target(
+                    f"sum by (result) (rate(kvgate_tokenizer_checks_total{{{K}}}[{RI}]))",
+                    "checked: {{result}}",
+                ),
+                target(
+                    f"sum(rate(kvgate_tokenize_fallback_total{{{K}}}[{RI}]))",
+                    "estimated (fallback)",
+                ),
             ],
             unit="reqps",
         ),
