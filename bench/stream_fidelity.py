@@ -93,8 +93,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                               **provenance("bench/stream_fidelity.py")}
     with temporary_directory("kvgate-stream-fidelity-", keep=args.keep_logs) as tmp:
         server = VllmServer(python, str(models / MODEL), MODEL, free_port(),
-                            max_model_len=2048, block_size=16,
-                            num_gpu_blocks_override=4096,
+                            max_model_len=2048, block_size=32,
+                            num_gpu_blocks_override=2048,
                             log_path=str(tmp / "vllm.log"))
         try:
             server.start()
