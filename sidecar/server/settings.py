@@ -130,8 +130,9 @@ class ServeSettings(BaseModel):
         "(checked against the server's /tokenize, whose answer they use), compare one "
         "local count in this many with the server's, in the background; 0: never")
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
-        "auto", description="the event loop: uvloop (what vLLM runs on) or asyncio's own; "
-        "auto: uvloop when installed")
+        "asyncio", description="the event loop: asyncio's own, or uvloop (what vLLM runs "
+        "on; measured no faster here, bench/overhead.py --canned); auto: uvloop when "
+        "installed")
     connect_timeout_s: float = Field(5.0, gt=0, description="upstream connect timeout")
     read_timeout_s: float = Field(600.0, gt=0,
                                   description="longest silence while reading an upstream response")
