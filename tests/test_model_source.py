@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
 import pytest
 
+from sidecar.cli import model_source
 from sidecar.cli.main import main
 from sidecar.cli.model_source import cached_config, hub_cache_dir, read_model
 from sidecar.model import ConfigError, presets, read_architecture
@@ -205,6 +208,8 @@ def fake_hub(monkeypatch: pytest.MonkeyPatch, download: object) -> list[tuple[st
     module = types.ModuleType("huggingface_hub")
     module.hf_hub_download = hf_hub_download  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "huggingface_hub", module)
+    # No network here: the connection check passes as if the Hub answered.
+    monkeypatch.setattr(model_source, "hub_unreachable", lambda: None)
     return calls
 
 
@@ -264,6 +269,26 @@ def test_a_hub_failure_says_so(monkeypatch: pytest.MonkeyPatch, error: Exception
     text = str(caught.value)
     assert message in text and "not in the Hugging Face cache" in text
     assert "\n" not in text
+
+
+def test_an_unreachable_hub_fails_fast_in_one_line(monkeypatch: pytest.MonkeyPatch,
+                                                   isolated_hub: Path) -> None:
+    # The real huggingface_hub retries for half a minute; kvgate checks the connection
+    # first (here: a port on loopback nothing listens on).
+    monkeypatch.setitem(sys.modules, "huggingface_hub", types.ModuleType("huggingface_hub"))
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{closed_port()}")
+    started = time.monotonic()
+    with pytest.raises(ConfigError) as caught:
+        read_model("acme/Remote-3B")
+    assert time.monotonic() - started < 5
+    assert "could not be reached" in str(caught.value) and "\n" not in str(caught.value)
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+    return port
 
 
 def test_without_huggingface_hub_the_message_says_what_to_install() -> None:

@@ -20,8 +20,10 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import socket
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from sidecar.model import ConfigError, ModelArchitecture, load_config, parse_config, presets
 from sidecar.model.hf_config import unknown_model_message
@@ -30,6 +32,7 @@ from sidecar.model.hf_config import unknown_model_message
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 _TRUE = {"1", "true", "yes", "on"}
 INSTALL_HINT = "pip install 'kvgate[hub]'"
+HUB_CONNECT_TIMEOUT_S = 5.0
 
 
 class HubError(ConfigError):
@@ -95,11 +98,33 @@ def fetch_config(repo_id: str) -> Path:
     except ImportError:
         raise HubError("the Hub was not asked: huggingface_hub is not installed "
                        f"({INSTALL_HINT})") from None
+    unreachable = hub_unreachable()
+    if unreachable is not None:
+        raise HubError(unreachable)
     try:
+        quiet = getattr(getattr(getattr(hub, "utils", None), "logging", None),
+                        "set_verbosity_error", None)
+        if quiet is not None:
+            quiet()  # its retries and progress are not the user's business
         path = hub.hf_hub_download(repo_id, "config.json")
     except Exception as exc:  # the Hub's errors, and any network error under them
         raise HubError(_hub_failure(repo_id, exc)) from exc
     return Path(str(path))
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hub cannot be reached, or None when it can be connected to.
+    huggingface_hub retries an unreachable Hub for half a minute, printing each retry:
+    find out first, in seconds, and say it in one line."""
+    endpoint = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    host = endpoint.hostname or "huggingface.co"
+    port = endpoint.port or (80 if endpoint.scheme == "http" else 443)
+    try:
+        socket.create_connection((host, port), timeout=HUB_CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        return (f"the Hugging Face Hub ({host}) could not be reached to fetch it "
+                f"({exc.strerror or type(exc).__name__})")
+    return None
 
 
 def _hub_failure(repo_id: str, exc: Exception) -> str:
