@@ -432,6 +432,10 @@ def test_admits_when_holdings_over_time_fit_though_the_peaks_added_up_do_not() -
         # runs the long request holds at most 7 + 2 blocks.
         short = loop.run_until_complete(admit(ctl, prompt_tokens=220, max_tokens=20))
         assert ctl.ledger.reserved_blocks == 40 > ctl.ledger.target_blocks
+        # The forecast (metrics, alerts) counts as admission does: no overflow ahead.
+        forecast = ctl.forecast()
+        assert forecast.peak_blocks <= ctl.ledger.target_blocks
+        assert forecast.exhaustion_s == float("inf")
         # Another 220 + 300: ends after the long one has grown; it does not fit.
         waiting = loop.create_task(admit(ctl, prompt_tokens=220, max_tokens=300))
         loop.run_until_complete(asyncio.sleep(0))

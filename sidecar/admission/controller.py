@@ -39,7 +39,12 @@ from enum import StrEnum
 from typing import Protocol, cast
 
 from sidecar.admission.cost import CostModel, RequestCost
-from sidecar.admission.forecast import Forecast, RunningRequest, kv_forecast
+from sidecar.admission.forecast import (
+    Forecast,
+    RunningRequest,
+    holdings_profile,
+    kv_forecast,
+)
 from sidecar.admission.ledger import Ledger
 from sidecar.admission.load import PrefillLoad
 from sidecar.admission.outcomes import Decision, Detail, Outcome, Rejected
@@ -775,11 +780,29 @@ class AdmissionController:
         return growth
 
     def forecast(self) -> Forecast:
-        running = self.running_requests()
-        tracked_now = sum(r.blocks_now for r in running)
-        observed = self.ledger.observed_used_blocks
-        others = max(0, observed - tracked_now) if observed is not None else 0
-        return kv_forecast(running, self.ledger.capacity_blocks, others)
+        """The most KV the running requests will hold together, and when it would pass
+        the capacity: over the engine steps ahead, as admission counts them (one pool);
+        with data parallelism, each request growing linearly until it finishes."""
+        capacity = self.ledger.capacity_blocks
+        if self.ledger.engines > 1 or not self._running:
+            running = self.running_requests()
+            tracked_now = sum(r.blocks_now for r in running)
+            observed = self.ledger.observed_used_blocks
+            others = max(0, observed - tracked_now) if observed is not None else 0
+            return kv_forecast(running, capacity, others)
+        now = self.clock()
+        held = self._running_holdings(now)
+        profile = holdings_profile(held.holdings, held.base_blocks)
+        peak = max(blocks for _, blocks in profile)
+        exhaustion = math.inf
+        below = 0
+        for step, blocks in profile:
+            if blocks > capacity:
+                # It crosses after the last step seen within capacity: the earliest time.
+                exhaustion = (below + 1 if step > 0 else 0) * self._step_s(now)
+                break
+            below = step
+        return Forecast(capacity, peak, exhaustion)
 
     def _retry_after(self, wait_s: float) -> float:
         if math.isinf(wait_s):
