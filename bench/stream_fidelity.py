@@ -33,6 +33,7 @@ for _extra in (ROOT, ROOT / "tests"):
     if str(_extra) not in sys.path:
         sys.path.insert(0, str(_extra))
 
+from bench.clients import VLLM_BENCH_SERVE  # noqa: E402
 from bench.common import (  # noqa: E402
     RESULTS,
     BenchError,
@@ -60,7 +61,7 @@ PERCENTILES = (50, 90, 99)
 
 def bench_serve(python: str, model_dir: Path, url: str, args: argparse.Namespace,
                 out: Path, seed: int) -> dict[str, Any]:
-    argv = [python, "-m", "vllm.entrypoints.cli.main", "bench", "serve",
+    argv = [python, "-c", VLLM_BENCH_SERVE,
             "--backend", "openai", "--base-url", url, "--endpoint", "/v1/completions",
             "--model", MODEL, "--tokenizer", str(model_dir), "--dataset-name", "random",
             "--random-input-len", str(args.input_len),
