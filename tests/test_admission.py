@@ -474,6 +474,24 @@ def test_server_use_that_kvgate_does_not_explain_is_held_until_the_next_scrape()
         loop.close()
 
 
+def test_a_request_without_streamed_tokens_is_not_taken_for_other_traffic() -> None:
+    """A non-streamed request shows kvgate no token; the server generates for it all
+    the same. Its output blocks are its own, not traffic kvgate does not see."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=64, clock=clock)
+    loop = FakeClockLoop(clock)
+    try:
+        ticket = loop.run_until_complete(admit(ctl, prompt_tokens=100, max_tokens=300))
+        # Long after admission the server holds its prompt and most of its output:
+        # 100 + 290 tokens = 25 blocks.
+        clock.advance(300 * ticket.predicted_tpot_s)  # type: ignore[attr-defined]
+        ctl.update_server(ServerState(used_blocks=25))
+        assert ctl.room.untracked_blocks == 0
+        ticket.finish()  # type: ignore[attr-defined]
+    finally:
+        loop.close()
+
+
 holdings_st = st.lists(st.builds(
     Holding, start_blocks=st.floats(0, 40), blocks_per_step=st.floats(0, 2),
     cap_blocks=st.floats(0, 60), end_steps=st.integers(0, 60)), max_size=8)

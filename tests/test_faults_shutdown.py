@@ -47,12 +47,13 @@ async def test_sigterm_lets_streams_finish_and_refuses_new_work(
                     counts[index] = n
                 return on_event
 
-            # Three streams of 19 blocks run (57 of the 59 kvgate admits); one of 6 waits.
+            # Three streams of 19 blocks run (57 of the 59 kvgate admits); a fourth like
+            # them waits: it would hold ~18 blocks when theirs reach their peaks.
             running = [asyncio.create_task(post_stream(session, url, completion(500, str(i)),
                                                        on_event=counter(i)))
                        for i in range(3)]
             await until(lambda: min(counts) >= 3, 60, "streams started")
-            queued = asyncio.create_task(post_stream(session, url, completion(100, "q")))
+            queued = asyncio.create_task(post_stream(session, url, completion(500, "q")))
             await until(lambda: sidecar.state()["admission"]["queue"]["length"] == 1, 10,
                         "one queued")
             signalled = time.monotonic()

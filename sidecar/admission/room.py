@@ -177,7 +177,15 @@ class KVRoom:
         tracked = self.ledger.held_prompt_blocks
         for ticket in tickets:
             request = ticket.request
-            produced = progress(ticket, now) if ticket.first_token_s is not None else 0
+            if ticket.first_token_s is not None:
+                produced = progress(ticket, now)
+            else:
+                # No token seen (not streamed, or not yet): the server may be generating
+                # since admission. Counting only the prompt would take this request's
+                # output for other traffic, on top of its reservation.
+                tpot_s = max(ticket.predicted_tpot_s, 1e-6)
+                produced = min(ticket.cost.output_tokens,
+                               max(0, int((now - ticket.admitted_s) / tpot_s)))
             tracked += max(0, self.cost_model.blocks_now(
                 request.prompt_tokens, produced, request.sequences)
                 - len(ticket.reservation.keys) * per_key)
