@@ -204,3 +204,15 @@ def test_shapes_depend_on_rendering_not_on_text() -> None:
     assert chat("one") != chat("one", chat_template_kwargs={"enable_thinking": True})
     assert chat("one") != chat("one", add_generation_prompt=False)
     assert shape_of({"prompt": "a"}) != shape_of({"prompt": "a", "add_special_tokens": False})
+
+
+def test_a_requests_own_template_is_left_to_the_server() -> None:
+    from sidecar.tokens import LocalTokenizer
+
+    from support.env import model_dir
+
+    tokenizer = LocalTokenizer.load(model_dir("tiny-llama"))
+    loop = "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}"
+    with pytest.raises(CannotRender, match="own chat template"):
+        tokenizer.tokenize({"messages": [{"role": "user", "content": "hi"}],
+                            "chat_template": loop})

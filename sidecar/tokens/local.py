@@ -117,9 +117,12 @@ class LocalTokenizer:
         """The template vLLM would pick: the request's own, else the model's ("tool_use"
         when the request has tools and the model names one)."""
         if override is not None:
-            if not isinstance(override, str):
-                raise CannotRender("'chat_template' is not a string")
-            source = self.files.named_templates.get(override, override)
+            if not isinstance(override, str) or override not in self.files.named_templates:
+                # A request's own template is the server's to accept (vLLM refuses it
+                # without --trust-request-chat-template) and to render: kvgate does not
+                # run a client's Jinja.
+                raise CannotRender("a request's own chat template")
+            source = self.files.named_templates[override]
         elif tools is not None and "tool_use" in self.files.named_templates:
             source = self.files.named_templates["tool_use"]
         elif self.files.chat_template is not None:
