@@ -237,11 +237,11 @@ async def test_soak_with_random_faults_leaves_nothing_behind(
 ) -> None:
     rng = random.Random(SEED)
     with FaultProxy(small_kv_vllm.url, seed=SEED) as proxy:
-        # Prompts are counted locally; one in 2 is also checked against the server's
+        # Prompts are counted locally; every one is also checked against the server's
         # (faulty) /tokenize in the background, so its faults still meet kvgate.
         sidecar = Sidecar(proxy.url, "--read-timeout-s", "1.5", "--queue-max-wait-s", "3",
                           "--metrics-interval-s", "0.5", "--metrics-stale-s", "3",
-                          "--tokenizer-check-every", "2").start()
+                          "--tokenizer-check-every", "1").start()
         try:
             views: list[ClientView] = []
             await drive(sidecar.url, WARMUP, rng, views)
@@ -290,7 +290,9 @@ async def test_soak_with_random_faults_leaves_nothing_behind(
 
     assert sum(outcomes.values()) == REQUESTS
     assert not any(key.endswith(":client-timeout") for key in outcomes), outcomes
-    assert sum(proxy.counts.values()) >= REQUESTS // 20, "faults were injected"
+    # One fault per 30 requests at least (the /tokenize faults now meet background
+    # checks, some of which are skipped while 64 are in flight).
+    assert sum(proxy.counts.values()) >= REQUESTS // 30, "faults were injected"
     # Nothing held, queued or running.
     assert admission["ledger"]["reserved_blocks"] == 0, admission["ledger"]
     assert admission["ledger"]["reservations"] == 0
