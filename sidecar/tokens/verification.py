@@ -105,6 +105,3 @@ class Verification:
         else:
             self.mismatches += 1
             state.mismatched = True
-
-    def shapes_on_server(self) -> int:
-        return sum(1 for state in self._shapes.values() if state.mismatched)
