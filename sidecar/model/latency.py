@@ -158,8 +158,9 @@ ENGINE_OVERHEADS: Mapping[str, EngineOverhead] = {
 # rows, which a pooled median over 166 values (156 of them TensorRT-LLM) would not.
 # compute, bandwidth, per_layer_s and serial_fraction are shared by all rows (no
 # per-model or per-GPU constant); ENGINE_OVERHEADS are fitted per engine. Multi-start
-# Nelder-Mead finds the same optimum (objective 0.027-0.028). Result: median |error| of
-# TTFT 7.4% (p90 45%), of TPOT 4.8% (p90 18%).
+# Nelder-Mead finds the same optimum (objective 0.027-0.028). Its errors on those same
+# rows are training errors; the out-of-fold accuracy is bench/model_cv.py's
+# (docs/model.md#accuracy).
 DEFAULT_EFFICIENCY = Efficiency(
     compute=0.51,
     bandwidth=0.75,
