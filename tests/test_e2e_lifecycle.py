@@ -139,7 +139,12 @@ async def test_the_reservation_covers_what_vllm_holds_and_follows_it_down(
             await stream_completion(session, sidecar.url, 4, prompt="warm up", model=name)
             peaks: list[int] = []
             headers: list[int] = []
-            for attempt in range(3):
+            groups = len(plan(sidecar, 870, 70)["kv_layout"])
+            # vLLM's gauge shows a sliding-window request's prefill peak for one step
+            # only, and a sampler on a busy machine can miss it in a row: a sample is a
+            # lower bound of what vLLM held, so look again (at most 10 requests) until
+            # one shows the reservation's peak within a block per KV cache group.
+            for attempt in range(10):
                 # A prompt of its own each time: a prefix-cache hit would skip the prefill.
                 with UsageSampler(server, sidecar) as sampler:
                     result = await stream_completion(session, sidecar.url, 70,
@@ -157,10 +162,11 @@ async def test_the_reservation_covers_what_vllm_holds_and_follows_it_down(
                     # Past the prefill the window is all it holds, and all kvgate keeps.
                     held = [blocks for _, blocks in sampler.ours if blocks]
                     assert held and min(held) < headers[-1], held
+                if attempt >= 2 and headers[0] <= max(peaks) + groups:
+                    break
         # At its peak the reservation is at most one block per KV cache group above
-        # what vLLM held (the sampler may miss vLLM's peak once: the best of three).
-        groups = len(plan(sidecar, 870, 70)["kv_layout"])
-        assert max(peaks) <= headers[0] <= max(peaks) + groups
+        # what vLLM held, and never below it.
+        assert max(peaks) <= headers[0] <= max(peaks) + groups, (peaks, headers)
         assert len(set(headers)) == 1
 
 
