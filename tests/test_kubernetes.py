@@ -437,8 +437,12 @@ def test_crd_schemas_catch_mistakes() -> None:
     scaled["spec"]["triggers"][0]["metadata"]["threshold"] = 4
     assert schema_errors(scaled), "a numeric KEDA threshold must be refused (metadata is strings)"
     pool = json.loads(json.dumps(one(chart_source("production-keda-gateway"), "InferencePool")))
-    pool["spec"]["targetPorts"] = [{"number": 8080}, {"number": 8000}]
-    assert schema_errors(pool), "an InferencePool takes exactly one target port"
+    pool["spec"]["extensionRef"] = pool["spec"].pop("endpointPickerRef")  # pre-v1 field name
+    pool["spec"]["targetPorts"] = [{"number": 0}]
+    errors = schema_errors(pool)
+    assert any("'endpointPickerRef' is a required property" in e for e in errors), errors
+    assert any("'extensionRef' was unexpected" in e for e in errors), errors
+    assert any("targetPorts.0.number" in e for e in errors), errors
     rules = json.loads(json.dumps(one(chart_source("default"), "PrometheusRule")))
     rule = rules["spec"]["groups"][0]["rules"][0]
     rule["for"] = "5 minutes"
