@@ -443,6 +443,10 @@ def test_crd_schemas_catch_mistakes() -> None:
     assert any("'endpointPickerRef' is a required property" in e for e in errors), errors
     assert any("'extensionRef' was unexpected" in e for e in errors), errors
     assert any("targetPorts.0.number" in e for e in errors), errors
+    route = json.loads(json.dumps(one(chart_source("production-keda-gateway"), "HTTPRoute")))
+    route["spec"]["rules"][0]["timeouts"]["request"] = "600"  # a Gateway API duration has a unit
+    errors = schema_errors(route)
+    assert any("rules.0.timeouts.request" in e for e in errors), errors
     rules = json.loads(json.dumps(one(chart_source("default"), "PrometheusRule")))
     rule = rules["spec"]["groups"][0]["rules"][0]
     rule["for"] = "5 minutes"
