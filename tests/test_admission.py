@@ -18,6 +18,7 @@ from sidecar.admission import (
     ServerState,
 )
 from sidecar.admission.forecast import Holding, holdings_peak, steps_until_room
+from sidecar.admission.wait_ratio import MIN_SAMPLES
 
 from support.admission_fixtures import FakeClock, FakeClockLoop, controller
 
@@ -537,6 +538,115 @@ def test_predicted_wait_is_when_admission_would_let_the_request_in() -> None:
         # Its last step is 40 steps ahead (41 with the step in flight): then it fits.
         assert 40 <= waited_steps - late.value.decision.details[
             "predicted_prefill_s"] / step_s <= 42
+        blocker.finish()  # type: ignore[attr-defined]
+    finally:
+        loop.close()
+
+
+def test_a_wait_behind_short_queued_requests_is_their_turnover_not_the_longest_run() -> None:
+    """Requests queued ahead are admitted in turn as room frees and leave when they
+    finish: the wait behind them is not the time until all of them fit at once (here:
+    only once a long request running alongside has ended)."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_wait_s=1e6))
+    loop = FakeClockLoop(clock)  # target 38 blocks of 16 tokens
+    try:
+        # 15 blocks growing to 22 over 100 steps; beside it 20 blocks for 10 steps.
+        long = loop.run_until_complete(admit(ctl, prompt_tokens=240, max_tokens=100))
+        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=10))
+        for ticket in (long, blocker):
+            ticket.first_token()  # type: ignore[attr-defined]
+        # Three of 6 blocks: two fit beside the long one once the blocker has ended.
+        queued = [loop.create_task(admit(ctl, prompt_tokens=80, max_tokens=8))
+                  for _ in range(3)]
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(ctl.queue) == 3
+        step_s = ctl._step_s(clock())
+        with pytest.raises(Rejected) as late:
+            loop.run_until_complete(admit(ctl, prompt_tokens=40, max_tokens=8,
+                                          ttft_slo_s=1e-6))
+        waited_steps = late.value.decision.details["model_wait_s"] / step_s  # type: ignore[operator]
+        # The blocker's end (11 steps), then the first queued one's (about 10 more);
+        # all four fit at once only after the long request (100 steps).
+        assert 20 <= waited_steps <= 30, waited_steps
+        blocker.finish()  # type: ignore[attr-defined]
+        loop.run_until_complete(asyncio.sleep(0))
+        for task in queued:
+            if task.done():
+                task.result().finish()
+        for _ in range(5):
+            loop.run_until_complete(asyncio.sleep(0))
+        for task in queued:
+            if not getattr(task.result(), "finished", False):
+                task.result().finish()
+        long.finish()  # type: ignore[attr-defined]
+    finally:
+        loop.close()
+
+
+def test_a_new_tenant_is_not_predicted_to_wait_behind_a_busy_tenants_backlog() -> None:
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_wait_s=1e6))
+    loop = FakeClockLoop(clock)
+    try:
+        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=440, max_tokens=10))
+        blocker.first_token()  # type: ignore[attr-defined]
+        backlog = [loop.create_task(admit(ctl, prompt_tokens=300, max_tokens=200,
+                                          tenant="busy")) for _ in range(4)]
+        loop.run_until_complete(asyncio.sleep(0))
+        waits = {}
+        for tenant in ("busy", "new"):
+            with pytest.raises(Rejected) as late:
+                loop.run_until_complete(admit(ctl, prompt_tokens=40, max_tokens=8,
+                                              tenant=tenant, ttft_slo_s=1e-6))
+            waits[tenant] = late.value.decision.details["model_wait_s"]
+        # The busy tenant's next request waits behind its own backlog; a new tenant's
+        # goes first (cost fairness): it waits only for the blocker's room.
+        assert waits["new"] < waits["busy"] / 4  # type: ignore[operator]
+        blocker.finish()  # type: ignore[attr-defined]
+        for _ in range(40):
+            loop.run_until_complete(asyncio.sleep(0))
+            for task in backlog:
+                if task.done() and not getattr(task, "_seen", False):
+                    task._seen = True  # type: ignore[attr-defined]
+                    task.result().finish()
+        assert all(task.done() for task in backlog)
+    finally:
+        loop.close()
+
+
+WAIT_SAMPLES = MIN_SAMPLES + 4
+
+
+def test_queue_waits_are_corrected_by_the_waits_requests_then_had() -> None:
+    """Queued requests that get in sooner than predicted (clients that left, outputs
+    that ended early) teach the controller to shorten its predictions."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_wait_s=1e6))
+    loop = FakeClockLoop(clock)
+    try:
+        for _ in range(WAIT_SAMPLES):
+            blocker = loop.run_until_complete(admit(ctl, prompt_tokens=440, max_tokens=40))
+            blocker.first_token()  # type: ignore[attr-defined]
+            waiting = loop.create_task(admit(ctl, prompt_tokens=150, max_tokens=30))
+            loop.run_until_complete(asyncio.sleep(0))
+            assert len(ctl.queue) == 1
+            # The blocker's client leaves after a quarter of the predicted wait.
+            clock.advance(ctl._step_s(clock()) * 41 / 4)
+            blocker.finish()  # type: ignore[attr-defined]
+            loop.run_until_complete(asyncio.sleep(0))
+            waiting.result().finish()
+        assert ctl.wait_ratio.samples == WAIT_SAMPLES
+        assert ctl.wait_ratio.factor == pytest.approx(0.25, rel=0.1)
+        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=440, max_tokens=40))
+        blocker.first_token()  # type: ignore[attr-defined]
+        with pytest.raises(Rejected) as late:
+            loop.run_until_complete(admit(ctl, prompt_tokens=150, max_tokens=30,
+                                          ttft_slo_s=1e-6))
+        details = late.value.decision.details
+        assert details["predicted_wait_s"] == pytest.approx(
+            details["model_wait_s"] * ctl.wait_ratio.factor, rel=1e-3)  # type: ignore[operator]
+        assert ctl.state()["queue"]["wait_ratio"]["samples"] == WAIT_SAMPLES
         blocker.finish()  # type: ignore[attr-defined]
     finally:
         loop.close()

@@ -41,6 +41,7 @@ from typing import Protocol, cast
 from sidecar.admission.cost import CostModel, RequestCost
 from sidecar.admission.forecast import (
     Forecast,
+    Holding,
     RunningRequest,
     holdings_profile,
     kv_forecast,
@@ -61,11 +62,14 @@ from sidecar.admission.room import KVRoom, RunningHoldings
 from sidecar.admission.running import AdmissionRequest, RunningSet, Ticket
 from sidecar.admission.server_queue import ServerQueueLimits
 from sidecar.admission.sharing import PromptSharing
+from sidecar.admission.wait_ratio import WaitRatio
 
 Clock = Callable[[], float]
 # Up to this many running requests, the wait of a request nobody is queued ahead of is
 # predicted as admission will answer it (O(n log^2 n)); beyond, from its peak.
 _EXACT_WAIT_RUNNING = 64
+# Queued requests followed one by one in a predicted wait.
+_EXACT_WAIT_QUEUED = 64
 
 
 class Mode(StrEnum):
@@ -136,6 +140,7 @@ class _Waiter:
     future: asyncio.Future[Ticket | Decision]
     request: AdmissionRequest
     cost: RequestCost
+    holding: Holding  # what it will hold once admitted (`KVRoom.queued`)
 
 
 class AdmissionController:
@@ -174,6 +179,7 @@ class AdmissionController:
         # kvgate admitted is running but the server's observed use leaves no room, the
         # cache still turns over at about that rate.
         self._last_duration_s = 0.0
+        self.wait_ratio = WaitRatio()
         self._draining = False
         self._drain_deadline_s: float | None = None
         self.sharing = PromptSharing(self.ledger, cost_model.served.layout)
@@ -286,7 +292,8 @@ class AdmissionController:
         blocked_by = (f"the KV cache has no room for {cost.kv_blocks} more blocks now"
                       if limit is None or not fits
                       else f"{self.settings.server_limits.describe(limit)} is reached")
-        wait_s = max(self._kv_wait_s(request, cost, band), self._server_wait_s(request, ahead))
+        model_wait_s = self._kv_wait_s(request, cost, band)
+        wait_s = max(self.wait_ratio.scaled(model_wait_s), self._server_wait_s(request, ahead))
         # An infinite wait is an unknown one: nothing kvgate admitted is running to free
         # blocks, the room is taken by use the server reports (traffic that bypasses
         # kvgate, or a scrape from just before it finished). Such a request waits in the
@@ -294,6 +301,8 @@ class AdmissionController:
         known = math.isfinite(wait_s)
         predicted_ttft = wait_s + cost.prefill_s
         details = self._details(cost, predicted_ttft_s=predicted_ttft, queue_ahead=ahead)
+        if known and math.isfinite(model_wait_s) and limit is None:
+            details.update(predicted_wait_s=round(wait_s, 6), model_wait_s=round(model_wait_s, 6))
         if not self.settings.limits.has_room(len(self.queue)):
             return cost, Decision(
                 Outcome.QUEUE_FULL,
@@ -423,30 +432,50 @@ class AdmissionController:
             self.prefill_load.slowdown(now, batch - 1))
 
     def _kv_wait_s(self, request: AdmissionRequest, cost: RequestCost, band: int) -> float:
-        """Predicted time until the KV cache has room for `request` and the requests
-        queued ahead of it: the steps until the running requests' holdings leave that
-        room for good, at the predicted time per step; past the last running request, at
-        the rate the cache turns over (capacity per request duration)."""
+        """Predicted time until the KV cache has room for `request`.
+
+        Nobody queued ahead of it (as the queue's policies will order it: priority
+        bands, fairness between tenants): the steps until the running requests'
+        holdings leave it room for good, at the predicted time per step (the answer
+        admission gives). Requests queued ahead: they do not wait for room all at
+        once; each is admitted in turn as room frees (at its peak) and leaves at its
+        last step, and this request after them (`KVRoom.steps_behind`)."""
         now = self.clock()
-        ahead = self.queue.blocks_ahead_of(band)
-        blocks = ahead + self._charge(request, cost)
         running = self._running_holdings(now)
         target = self.ledger.target_blocks
         step_s = self._step_s(now)
-        if ahead == 0 and len(running.tickets) <= _EXACT_WAIT_RUNNING:
-            # Nobody ahead: when it fits as it grows (the same answer admission gives).
-            steps = self.room.steps_until_fits(running, request, cost, self._plan(request),
-                                               target)
-        else:
-            steps = self.room.steps_until_room(running, blocks, target)
+        queued = [waiter for entry in self.queue.ahead_of(band, request.tenant)
+                  if isinstance(waiter := entry.payload, _Waiter)]
+        if not queued:
+            if len(running.tickets) <= _EXACT_WAIT_RUNNING:
+                steps = self.room.steps_until_fits(running, request, cost,
+                                                   self._plan(request), target)
+            else:
+                steps = self.room.steps_until_room(running, self._charge(request, cost),
+                                                   target)
+            if math.isfinite(steps):
+                return steps * step_s
+            return self._unexplained_wait_s(running, self._charge(request, cost), step_s)
+        ahead = [waiter.holding for waiter in queued[:_EXACT_WAIT_QUEUED]]
+        steps = self.room.steps_behind(running, ahead, self.room.queued(request, cost), target)
         if math.isfinite(steps):
-            return steps * step_s
+            # Beyond the requests followed one by one, the same pace per request.
+            return steps * step_s * max(1.0, len(queued) / _EXACT_WAIT_QUEUED)
+        return self._unexplained_wait_s(running, sum(w.cost.kv_blocks for w in queued)
+                                        + self._charge(request, cost), step_s)
+
+    def _unexplained_wait_s(self, running: RunningHoldings, blocks: float,
+                            step_s: float) -> float:
+        """The wait when the blocks held throughout (use the server reports that kvgate
+        did not admit) leave no room even once the running requests end: past the last
+        of them, the cache's turnover at the last known request duration (inf: none
+        known yet, the request waits for the next scrape)."""
         duration = running.mean_duration_s if running.tickets else self._last_duration_s
         if duration <= 0:
             return math.inf
         last_s = max((h.end_steps for h in running.holdings), default=0) * step_s
-        excess = running.base_blocks + blocks - target
-        return last_s + excess * duration / max(1, self.ledger.capacity_blocks)
+        excess = running.base_blocks + blocks - self.ledger.target_blocks
+        return last_s + max(0.0, excess) * duration / max(1, self.ledger.capacity_blocks)
 
     # ---- the server's own queue limits (vLLM's admission) -----------------------------
 
@@ -525,7 +554,7 @@ class AdmissionController:
             blocks=cost.kv_blocks,
             cost=cost.gpu_seconds(self.ledger.capacity_blocks),
             deadline_s=deadline,
-            payload=_Waiter(future, request, cost),
+            payload=_Waiter(future, request, cost, self.room.queued(request, cost)),
         ))
         timeout = self.settings.limits.max_wait_s
         if deadline is not None:
@@ -554,6 +583,9 @@ class AdmissionController:
             self._report(result)
             raise Rejected(result)
         self.listener.queue_wait(result.queue_wait_s)
+        model_wait_s = queued.details.get("model_wait_s")
+        if isinstance(model_wait_s, float):
+            self.wait_ratio.observe(model_wait_s, result.queue_wait_s)
         self._report(self._admitted_decision(result))
         return result
 
@@ -562,7 +594,8 @@ class AdmissionController:
     ) -> Decision:
         now = self.clock()
         waited = now - entry.arrival_s
-        retry = self._retry_after(self._kv_wait_s(request, cost, entry.band))
+        retry = self._retry_after(self.wait_ratio.scaled(self._kv_wait_s(request, cost,
+                                                                         entry.band)))
         details = self._details(cost, waited_s=round(waited, 3))
         if deadline is not None and now + cost.deadline_prefill_s >= deadline - 1e-9 and (
             waited < self.settings.limits.max_wait_s
@@ -926,6 +959,8 @@ class AdmissionController:
                 "blocks": self.queue.blocks,
                 "oldest_wait_s": (self.clock() - oldest.arrival_s) if oldest else 0.0,
                 "by_band_and_tenant": self.queue.summary(),
+                "wait_ratio": {"factor": self.wait_ratio.factor,
+                               "samples": self.wait_ratio.samples},
             },
             "inflight": len(self._running),
             "server_queue": self._server_queue_state(),

@@ -176,6 +176,38 @@ class AdmissionQueue:
         """Blocks queued in this band and the more important ones."""
         return sum(b.blocks for number, b in self._bands.items() if number <= band)
 
+    def ahead_of(self, band: int, tenant: str | None = None) -> Iterator[Entry]:
+        """The entries served before a request of `tenant` pushed now to `band`:
+        those of the more important bands, and of its own band those the fairness
+        policy takes first (all of them without a tenant). Starvation promotions and
+        the ordering within a tenant are not foreseen."""
+        for number, found in self._bands.items():
+            if number > band:
+                continue
+            if number < band or tenant is None:
+                for other in found.tenants.values():
+                    yield from _waiting(other)
+                continue
+            mine = found.tenants.get(tenant)
+            if mine is not None:
+                yield from _waiting(mine)
+                served = mine.served_cost + sum(e.cost for e in _waiting(mine))
+            else:
+                active = [t.served_cost for t in found.tenants.values()]
+                served = self.fairness.joined(found.served.get(tenant, 0.0),
+                                              min(active) if active else None)
+            for name, other in found.tenants.items():
+                if name == tenant:
+                    continue
+                level = other.served_cost
+                for _, _, entry in sorted(other.heap, key=lambda item: item[:2]):
+                    if entry.removed:
+                        continue
+                    if not self.fairness.goes_first(level, served):
+                        break
+                    yield entry
+                    level += entry.cost
+
     def waiting_ahead_of(self, band: int) -> int:
         return sum(b.size for number, b in self._bands.items() if number <= band)
 
@@ -187,9 +219,7 @@ class AdmissionQueue:
     def entries(self) -> Iterator[Entry]:
         for band in self._bands.values():
             for tenant in band.tenants.values():
-                for _, _, entry in tenant.heap:
-                    if not entry.removed:
-                        yield entry
+                yield from _waiting(tenant)
 
     def summary(self) -> dict[str, dict[str, int]]:
         """Waiting requests per band and tenant (for the state endpoint)."""
@@ -206,3 +236,7 @@ class AdmissionQueue:
         costs = dict(found.served)
         costs.update({name: t.served_cost for name, t in found.tenants.items()})
         return costs
+
+
+def _waiting(tenant: _Tenant) -> Iterator[Entry]:
+    return (entry for _, _, entry in tenant.heap if not entry.removed)

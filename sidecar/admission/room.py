@@ -278,6 +278,26 @@ class KVRoom:
                 low = mid + 1
         return float(starts[low])
 
+    def queued(self, request: AdmissionRequest, cost: RequestCost) -> Holding:
+        """What a queued request will hold once admitted (prompt sharing not counted)."""
+        return self.newcomer(request, cost, PrefixPlan.none())
+
+    def steps_behind(self, running: RunningHoldings, queued: Sequence[Holding],
+                     mine: Holding, limit_blocks: float) -> float:
+        """Steps until `mine` is admitted behind `queued`: each, in order, at the first
+        step (not before the one ahead of it) from which its peak stays within the
+        limit beside what is held then, and leaving at its last step (inf: never)."""
+        holdings = list(running.holdings)
+        start = 0
+        for holding in (*queued, mine):
+            steps = RoomProfile.of(holdings, running.base_blocks).steps_until_room(
+                holding.cap_blocks, limit_blocks)
+            if not math.isfinite(steps):
+                return math.inf
+            start = max(start, int(steps))
+            holdings.append(holding.delayed(start))
+        return float(start)
+
     def steps_until_room(self, running: RunningHoldings, blocks: float,
                          limit_blocks: float) -> float:
         """Steps until `blocks` more blocks fit for good (inf: not even once every

@@ -36,6 +36,12 @@ class FairnessPolicy(Protocol):
         """The served cost a tenant starts from when its queue becomes non-empty."""
         ...
 
+    def goes_first(self, served_cost: float, other_served_cost: float) -> bool:
+        """Whether a waiting request, its tenant at `served_cost` once the tenant's
+        earlier ones are served, goes before a newcomer whose tenant is then at
+        `other_served_cost` (for predicted waits)."""
+        ...
+
 
 @dataclass(frozen=True)
 class CostFair:
@@ -49,6 +55,9 @@ class CostFair:
             return own_cost
         return max(own_cost, least_active_cost)
 
+    def goes_first(self, served_cost: float, other_served_cost: float) -> bool:
+        return served_cost <= other_served_cost  # a tie goes to the older head
+
 
 @dataclass(frozen=True)
 class ArrivalOrder:
@@ -59,3 +68,6 @@ class ArrivalOrder:
 
     def joined(self, own_cost: float, least_active_cost: float | None) -> float:
         return own_cost
+
+    def goes_first(self, served_cost: float, other_served_cost: float) -> bool:
+        return True  # it arrived first
