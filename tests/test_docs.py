@@ -31,7 +31,7 @@ def anchors(path: Path) -> set[str]:
 
 def test_readme_is_a_short_users_page() -> None:
     text = README.read_text(encoding="utf-8")
-    assert len(text.splitlines()) <= 270
+    assert len(text.splitlines()) <= 250
     for section in ("## Install", "## Plan a deployment", "## Run the sidecar",
                     "### Reading decisions", "## Metrics and alerts",
                     "## Kubernetes quick start", "## Documentation"):
