@@ -437,6 +437,11 @@ def test_admits_when_holdings_over_time_fit_though_the_peaks_added_up_do_not() -
         forecast = ctl.forecast()
         assert forecast.peak_blocks <= ctl.ledger.target_blocks
         assert forecast.exhaustion_s == float("inf")
+        # The state shows the room admission counts, not the peaks' negative headroom.
+        ledger = ctl.state()["ledger"]
+        assert ledger["headroom_blocks"] < 0  # type: ignore[index,operator]
+        assert ledger["room_blocks"] == ctl.ledger.target_blocks - int(  # type: ignore[index]
+            forecast.peak_blocks + 0.999)
         # Another 220 + 300: ends after the long one has grown; it does not fit.
         waiting = loop.create_task(admit(ctl, prompt_tokens=220, max_tokens=300))
         loop.run_until_complete(asyncio.sleep(0))

@@ -926,6 +926,15 @@ class AdmissionController:
     def tickets(self) -> list[Ticket]:
         return list(self._running)
 
+    def _room_blocks(self) -> int | None:
+        """Blocks that fit beside the running requests at every step ahead (what
+        admission counts; `headroom_blocks` is from their peaks added up). None with
+        several engines (a pool each: see the ledger's engines)."""
+        if self.ledger.engines > 1:
+            return None
+        running = self._running_holdings(self.clock())
+        return max(0, math.floor(self.ledger.target_blocks - running.peak_blocks() + 1e-9))
+
     def state(self) -> dict[str, object]:
         forecast = self.forecast()
         snapshot = self.ledger.snapshot()
@@ -950,6 +959,7 @@ class AdmissionController:
                 "reservations": snapshot.reservations,
                 "overcommit_blocks": snapshot.overcommit_blocks,
                 "held_prompt_blocks": snapshot.held_prompt_blocks,
+                "room_blocks": self._room_blocks(),
             },
             "prefix": self.sharing.state(
                 sum(t.cost.shared_blocks for t in self._running)),
