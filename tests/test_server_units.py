@@ -239,3 +239,45 @@ def test_a_server_that_computed_nothing_since_the_last_scrape_is_idle() -> None:
     first = UpstreamView(up=True, metrics=metrics(100, 50))
     assert server_idle(idle)
     assert not server_idle(busy) and not server_idle(unknown) and not server_idle(first)
+
+
+def test_idle_upstream_connections_are_closed_before_the_server_closes_them() -> None:
+    """vLLM closes a connection idle for 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE); a pooled
+    connection kept longer can carry a request just as the server closes it, and the
+    request fails. kvgate's pool lets idle connections go first (--upstream-keepalive-s),
+    so the next burst opens fresh ones."""
+    import asyncio
+
+    from aiohttp import web
+
+    from sidecar.server.app import upstream_session
+
+    settings = load_settings({"upstream": "http://127.0.0.1:1"}, {}, None)
+    assert settings.upstream_keepalive_s < 5.0  # vLLM's default keep-alive
+    quick = load_settings({"upstream": "http://127.0.0.1:1", "upstream_keepalive_s": "0.3"},
+                          {}, None)
+
+    async def scenario() -> None:
+        async def ok(request: web.Request) -> web.Response:
+            return web.json_response({"ok": True})
+
+        app = web.Application()
+        app.router.add_get("/ok", ok)
+        runner = web.AppRunner(app, keepalive_timeout=30.0)  # a patient server
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            async with upstream_session(quick) as session:
+                await asyncio.gather(*(session.get(f"http://127.0.0.1:{port}/ok")
+                                       for _ in range(4)))
+                connector = session.connector
+                assert connector is not None
+                assert sum(len(c) for c in connector._conns.values()) >= 1  # pooled
+                await asyncio.sleep(1.2)  # aiohttp sweeps idle connections every second
+                assert sum(len(c) for c in connector._conns.values()) == 0
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(scenario())

@@ -89,11 +89,18 @@ def build_admin_app(services: Services, registry: CollectorRegistry) -> web.Appl
     return app
 
 
+def upstream_session(settings: ServeSettings) -> aiohttp.ClientSession:
+    """The pool of connections to the server: unbounded (admission bounds what is sent),
+    idle connections closed before the server closes them (`--upstream-keepalive-s`)."""
+    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0,
+                                     keepalive_timeout=settings.upstream_keepalive_s)
+    return aiohttp.ClientSession(connector=connector, auto_decompress=False)
+
+
 async def _upstream_context(app: web.Application) -> AsyncIterator[None]:
     services = app[SERVICES]
     settings = services.settings
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=30)
-    async with aiohttp.ClientSession(connector=connector, auto_decompress=False) as session:
+    async with upstream_session(settings) as session:
         app[SESSION] = session
         client = UpstreamClient(settings.upstream, session,
                                 control_timeout_s=max(2.0, settings.connect_timeout_s))

@@ -134,6 +134,11 @@ class ServeSettings(BaseModel):
         "on; measured no faster here, bench/overhead.py --canned); auto: uvloop when "
         "installed")
     connect_timeout_s: float = Field(5.0, gt=0, description="upstream connect timeout")
+    upstream_keepalive_s: float = Field(
+        4.0, gt=0, description="close connections to the server idle this long: keep it "
+        "below the server's own keep-alive (vLLM closes idle connections after "
+        "VLLM_HTTP_TIMEOUT_KEEP_ALIVE, 5 s), or a request can go out on a connection the "
+        "server is closing and fail")
     read_timeout_s: float = Field(600.0, gt=0,
                                   description="longest silence while reading an upstream response")
     drain_timeout_s: float = Field(30.0, ge=0, description="SIGTERM: time given to running "
