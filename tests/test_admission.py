@@ -18,6 +18,7 @@ from sidecar.admission import (
     ServerState,
 )
 from sidecar.admission.forecast import Holding, holdings_peak, steps_until_room
+from sidecar.admission.room import KVRoom, RunningHoldings
 from sidecar.admission.wait_ratio import MIN_SAMPLES
 
 from support.admission_fixtures import FakeClock, FakeClockLoop, controller
@@ -523,6 +524,50 @@ def test_holdings_peak_and_room_match_a_step_by_step_count(
         # steps within one request's last stretch, never earlier).
         assert first >= fits_from[0]
         assert first in fits_from
+
+
+@given(running=holdings_st, queued=holdings_st, base=st.floats(0, 10),
+       limit=st.floats(0, 150))
+def test_the_wait_behind_queued_requests_matches_a_step_by_step_replay(
+        running: list[Holding], queued: list[Holding], base: float, limit: float) -> None:
+    """Each queued request (then the newcomer, the last) starts at the first step, not
+    before the one ahead of it, from which its peak fits beside the running requests
+    and those started before it (each holding its peak until its last step) at every
+    step after: replayed step by step, it starts no later than predicted, and at the
+    predicted step it fits."""
+    held = RunningHoldings((), tuple(running), base, 0)
+    *ahead, mine = queued or [Holding(1.0, 0.0, 1.0, 1)]
+    predicted = KVRoom.steps_behind(KVRoom.__new__(KVRoom), held, ahead, mine, limit)
+    horizon = (max((h.end_steps for h in running), default=0)
+               + sum(max(1, h.end_steps) for h in queued) + 2)
+
+    def total(step: int, started: list[tuple[int, Holding]]) -> float:
+        return (base + sum(h.at(step) for h in running)
+                + sum(h.cap_blocks for at, h in started if at <= step < at + max(1, h.end_steps)))
+
+    def fits(step: int, holding: Holding, started: list[tuple[int, Holding]]) -> bool:
+        return all(total(k, started) + holding.cap_blocks <= limit + 1e-9
+                   for k in range(step, horizon))
+
+    def replay(exact: bool) -> float:
+        started: list[tuple[int, Holding]] = []
+        step = 0
+        for holding in (*ahead, mine):
+            # The prediction bounds the running requests by their profile (the most
+            # they hold from each one's last step on), never less than they hold.
+            while not (fits(step, holding, started) if exact
+                       else held.profile.most_from(step)[0] + sum(
+                           h.cap_blocks for at, h in started
+                           if at <= step < at + max(1, h.end_steps))
+                       + holding.cap_blocks <= limit + 1e-9):
+                step += 1
+                if step > horizon:
+                    return float("inf")
+            started.append((step, holding))
+        return float(step)
+
+    assert predicted == replay(exact=False)
+    assert predicted >= replay(exact=True)
 
 
 def test_predicted_wait_is_when_admission_would_let_the_request_in() -> None:

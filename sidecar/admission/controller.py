@@ -68,8 +68,6 @@ Clock = Callable[[], float]
 # Up to this many running requests, the wait of a request nobody is queued ahead of is
 # predicted as admission will answer it (O(n log^2 n)); beyond, from its peak.
 _EXACT_WAIT_RUNNING = 64
-# Queued requests followed one by one in a predicted wait.
-_EXACT_WAIT_QUEUED = 64
 
 
 class Mode(StrEnum):
@@ -438,8 +436,8 @@ class AdmissionController:
         bands, fairness between tenants): the steps until the running requests'
         holdings leave it room for good, at the predicted time per step (the answer
         admission gives). Requests queued ahead: they do not wait for room all at
-        once; each is admitted in turn as room frees (at its peak) and leaves at its
-        last step, and this request after them (`KVRoom.steps_behind`)."""
+        once; each is admitted in turn as room frees, holding its peak until its last
+        step, and this request after them (`KVRoom.steps_behind`)."""
         now = self.clock()
         running = self._running_holdings(now)
         target = self.ledger.target_blocks
@@ -456,11 +454,10 @@ class AdmissionController:
             if math.isfinite(steps):
                 return steps * step_s
             return self._unexplained_wait_s(running, self._charge(request, cost), step_s)
-        ahead = [waiter.holding for waiter in queued[:_EXACT_WAIT_QUEUED]]
-        steps = self.room.steps_behind(running, ahead, self.room.queued(request, cost), target)
+        steps = self.room.steps_behind(running, [waiter.holding for waiter in queued],
+                                       self.room.queued(request, cost), target)
         if math.isfinite(steps):
-            # Beyond the requests followed one by one, the same pace per request.
-            return steps * step_s * max(1.0, len(queued) / _EXACT_WAIT_QUEUED)
+            return steps * step_s
         return self._unexplained_wait_s(running, sum(w.cost.kv_blocks for w in queued)
                                         + self._charge(request, cost), step_s)
 

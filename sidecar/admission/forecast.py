@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -187,6 +188,14 @@ class RoomProfile:
             most = max(most, profile[index][1])
             suffix[index] = most
         return RoomProfile(tuple(step for step, _ in profile), tuple(suffix), base_blocks)
+
+    def most_from(self, step: int) -> tuple[float, int | None]:
+        """The most held at `step` and every step after, and the first step after it
+        from which that may be less (None: it stays)."""
+        index = bisect.bisect_left(self.steps, step)
+        if index >= len(self.steps):
+            return self.base_blocks, None
+        return self.suffix_max[index], self.steps[index] + 1
 
     def steps_until_room(self, blocks: float, limit_blocks: float) -> float:
         if self.base_blocks + blocks > limit_blocks + 1e-9:

@@ -26,6 +26,7 @@ time allows) and that it runs until its reserved output; a request that stops ea
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -285,18 +286,30 @@ class KVRoom:
     def steps_behind(self, running: RunningHoldings, queued: Sequence[Holding],
                      mine: Holding, limit_blocks: float) -> float:
         """Steps until `mine` is admitted behind `queued`: each, in order, at the first
-        step (not before the one ahead of it) from which its peak stays within the
-        limit beside what is held then, and leaving at its last step (inf: never)."""
-        holdings = list(running.holdings)
-        start = 0
+        step (not before the one ahead of it) from which its peak stays within the limit
+        beside what is held then and after, and holding its peak until its last step
+        (inf: never). What the running requests and the queued ones admitted so far
+        hold from a step on never grows later, so each request needs checking only at
+        the step it would start: O((running + queued) log) in all."""
+        profile = running.profile
+        ends: list[tuple[int, float]] = []  # (last step, peak) of those admitted
+        held = 0.0
+        step = 0
         for holding in (*queued, mine):
-            steps = RoomProfile.of(holdings, running.base_blocks).steps_until_room(
-                holding.cap_blocks, limit_blocks)
-            if not math.isfinite(steps):
-                return math.inf
-            start = max(start, int(steps))
-            holdings.append(holding.delayed(start))
-        return float(start)
+            while True:
+                while ends and ends[0][0] <= step:
+                    held -= heapq.heappop(ends)[1]
+                most, changes_at = profile.most_from(step)
+                if most + held + holding.cap_blocks <= limit_blocks + 1e-9:
+                    break
+                candidates = [at for at in (changes_at, ends[0][0] if ends else None)
+                              if at is not None]
+                if not candidates:
+                    return math.inf
+                step = min(candidates)
+            heapq.heappush(ends, (step + max(1, holding.end_steps), holding.cap_blocks))
+            held += holding.cap_blocks
+        return float(step)
 
     def steps_until_room(self, running: RunningHoldings, blocks: float,
                          limit_blocks: float) -> float:
