@@ -200,6 +200,8 @@ class AdmissionQueue:
                 if name == tenant:
                     continue
                 level = other.served_cost
+                if not self.fairness.goes_first(level, served):
+                    continue
                 for _, _, entry in sorted(other.heap, key=lambda item: item[:2]):
                     if entry.removed:
                         continue
