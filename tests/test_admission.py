@@ -700,3 +700,35 @@ def test_queue_waits_are_corrected_by_the_waits_requests_then_had() -> None:
         blocker.finish()  # type: ignore[attr-defined]
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("fairness", ["cost", "none"])
+def test_the_entries_ahead_of_a_newcomer_are_those_the_queue_takes_first(
+        fairness: str) -> None:
+    """What a predicted wait counts as ahead: the more important bands, the newcomer's
+    own tenant, and of the other tenants in its band those fairness takes first; the
+    queue then takes them in that order."""
+    from sidecar.admission.policies import FAIRNESS, ORDERINGS, StrictPriority
+    from sidecar.admission.queue import AdmissionQueue, Entry
+
+    queue = AdmissionQueue(ORDERINGS["fcfs"](), FAIRNESS[fairness](), StrictPriority(None))
+    pushed = [queue.push(Entry(float(i), band, tenant, 1, 1.0, payload=name))
+              for i, (band, tenant, name) in enumerate([
+                  (1, "busy", "busy-1"), (1, "busy", "busy-2"), (1, "busy", "busy-3"),
+                  (0, "vip", "vip-1"), (1, "mine", "mine-1"), (2, "low", "low-1")])]
+    ahead = {entry.payload for entry in queue.ahead_of(1, "mine")}
+    if fairness == "cost":
+        # Both tenants start at no cost; the newcomer's turn comes once mine-1 (cost 1)
+        # is served: busy's first two are served by then (a tie goes to the older).
+        assert ahead == {"vip-1", "mine-1", "busy-1", "busy-2"}
+    else:  # arrival order: every request of the band and the more important ones
+        assert ahead == {"vip-1", "mine-1", "busy-1", "busy-2", "busy-3"}
+    # A newcomer of `mine` pushed now is taken after exactly those.
+    newcomer = queue.push(Entry(9.0, 1, "mine", 1, 1.0, payload="new"))
+    order = []
+    while (entry := queue.pop(10.0)) is not None:
+        order.append(entry.payload)
+        if entry is newcomer:
+            break
+    assert set(order[:-1]) == ahead
+    assert len(pushed) == 6
