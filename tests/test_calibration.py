@@ -381,3 +381,40 @@ def test_a_target_between_p50_and_p90_is_refused_only_on_p90() -> None:
     assert asyncio.run(decide("p50", target)) is None
     refused = asyncio.run(decide("p90", target))
     assert refused is not None and refused.outcome is Outcome.DEADLINE, refused
+
+
+def test_the_prefill_load_is_rescaled_when_the_model_is_recalibrated() -> None:
+    """The prefill load is the predicted prefill seconds admitted lately. Admitted under
+    a prior 10x too slow, it would saturate and stretch every prediction for its time
+    constant after calibration had found the server; recalibrating re-expresses it in
+    the new model's seconds."""
+    slow, right = CostModel(on(PRIORS["cpu /10"])), CostModel(on(CPU))
+    ctl = AdmissionController(slow)
+    ctl.update_server(ServerState(available=True))
+
+    async def scenario() -> None:
+        for _ in range(6):
+            ticket = await ctl.admit(AdmissionRequest(prompt_tokens=512, max_tokens=4))
+            ticket.finish()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+    now = ctl.clock()
+    loaded = ctl.prefill_load.utilisation(now)
+    ratio = right.prefill_work_s(512) / slow.prefill_work_s(512)
+    assert ratio < 0.5  # the prior prices a prefill several times too long
+    ctl.set_cost_model(right)
+    assert 0 < loaded < 0.8  # below the cap: the rescaled load is exact
+    assert ctl.prefill_load.utilisation(now) == pytest.approx(loaded * ratio)
+    # The load now matches what the same prefills cost under the new model (the
+    # prompts are the reference size; a few ms pass between the two readings).
+    fresh = AdmissionController(right)
+    fresh.update_server(ServerState(available=True))
+
+    async def again() -> None:
+        for _ in range(6):
+            ticket = await fresh.admit(AdmissionRequest(prompt_tokens=512, max_tokens=4))
+            ticket.finish()  # type: ignore[attr-defined]
+
+    asyncio.run(again())
+    assert ctl.prefill_load.utilisation(now) == pytest.approx(
+        fresh.prefill_load.utilisation(fresh.clock()), rel=0.05)

@@ -68,6 +68,8 @@ Clock = Callable[[], float]
 # Up to this many running requests, the wait of a request nobody is queued ahead of is
 # predicted as admission will answer it (O(n log^2 n)); beyond, from its peak.
 _EXACT_WAIT_RUNNING = 64
+# The prompt whose predicted prefill work converts the prefill load between models.
+_LOAD_REFERENCE_TOKENS = 512
 
 
 class Mode(StrEnum):
@@ -227,7 +229,14 @@ class AdmissionController:
         self._dispatch()
 
     def set_cost_model(self, cost_model: CostModel) -> None:
-        """A recalibrated or re-learned model (e.g. the server came back different)."""
+        """A recalibrated or re-learned model (e.g. the server came back different).
+        The prefill load admitted so far was measured in the old model's seconds: it is
+        rescaled to the new one's, so that a prior that was far off does not keep
+        stretching (or shrinking) predictions through the load for its time constant."""
+        before = self.cost_model.prefill_work_s(_LOAD_REFERENCE_TOKENS)
+        after = cost_model.prefill_work_s(_LOAD_REFERENCE_TOKENS)
+        if before > 0 and after > 0:
+            self.prefill_load.rescale(after / before)
         self.cost_model = cost_model
         capacity = cost_model.served.capacity
         self._model_capacity = capacity.usable_blocks if capacity else None

@@ -193,6 +193,10 @@ class CostModel:
 
     # ---- memoised latency ----------------------------------------------------------
 
+    def prefill_work_s(self, prompt_tokens: int) -> float:
+        """Engine time of one prompt's prefill alone (as `RequestCost.prefill_work_s`)."""
+        return max(0.0, self.prefill_s(prompt_tokens) - self.served.efficiency.per_request_s)
+
     def prefill_s(self, prompt_tokens: int, running: int = 0, mean_context: int = 0,
                   cached_tokens: int = 0) -> float:
         """Prefill of `prompt_tokens` new tokens after `cached_tokens` of prefix hits."""

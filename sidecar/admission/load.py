@@ -37,6 +37,12 @@ class PrefillLoad:
         self._decay_to(now)
         self._sum += max(0.0, prefill_s)
 
+    def rescale(self, factor: float) -> None:
+        """The prefill seconds admitted so far, re-expressed by a model that prices the
+        same work `factor` times as long."""
+        if factor > 0:
+            self._sum *= factor
+
     def utilisation(self, now: float) -> float:
         """The share of engine time spent prefilling lately, in [0, MAX_UTILISATION]."""
         self._decay_to(now)
