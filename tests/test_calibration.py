@@ -389,15 +389,7 @@ def test_the_prefill_load_is_rescaled_when_the_model_is_recalibrated() -> None:
     constant after calibration had found the server; recalibrating re-expresses it in
     the new model's seconds."""
     slow, right = CostModel(on(PRIORS["cpu /10"])), CostModel(on(CPU))
-    ctl = AdmissionController(slow)
-    ctl.update_server(ServerState(available=True))
-
-    async def scenario() -> None:
-        for _ in range(6):
-            ticket = await ctl.admit(AdmissionRequest(prompt_tokens=512, max_tokens=4))
-            ticket.finish()  # type: ignore[attr-defined]
-
-    asyncio.run(scenario())
+    ctl = _admitted_prefills(slow)
     now = ctl.clock()
     loaded = ctl.prefill_load.utilisation(now)
     ratio = right.prefill_work_s(512) / slow.prefill_work_s(512)
@@ -407,14 +399,20 @@ def test_the_prefill_load_is_rescaled_when_the_model_is_recalibrated() -> None:
     assert ctl.prefill_load.utilisation(now) == pytest.approx(loaded * ratio)
     # The load now matches what the same prefills cost under the new model (the
     # prompts are the reference size; a few ms pass between the two readings).
-    fresh = AdmissionController(right)
-    fresh.update_server(ServerState(available=True))
-
-    async def again() -> None:
-        for _ in range(6):
-            ticket = await fresh.admit(AdmissionRequest(prompt_tokens=512, max_tokens=4))
-            ticket.finish()  # type: ignore[attr-defined]
-
-    asyncio.run(again())
+    fresh = _admitted_prefills(right)
     assert ctl.prefill_load.utilisation(now) == pytest.approx(
         fresh.prefill_load.utilisation(fresh.clock()), rel=0.05)
+
+
+def _admitted_prefills(model: CostModel) -> AdmissionController:
+    """A controller that has admitted (and settled) six prompts of the reference size."""
+    ctl = AdmissionController(model)
+    ctl.update_server(ServerState(available=True))
+
+    async def scenario() -> None:
+        for _ in range(6):
+            ticket = await ctl.admit(AdmissionRequest(prompt_tokens=512, max_tokens=4))
+            ticket.finish()  # type: ignore[attr-defined]
+
+    asyncio.run(scenario())
+    return ctl
