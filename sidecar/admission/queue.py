@@ -172,10 +172,6 @@ class AdmissionQueue:
         assert head is not None
         return band, name, head
 
-    def blocks_ahead_of(self, band: int) -> int:
-        """Blocks queued in this band and the more important ones."""
-        return sum(b.blocks for number, b in self._bands.items() if number <= band)
-
     def ahead_of(self, band: int, tenant: str | None = None) -> Iterator[Entry]:
         """The entries served before a request of `tenant` pushed now to `band`:
         those of the more important bands, and of its own band those the fairness
