@@ -8,7 +8,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from support.concurrency import RunningSampler
-from support.load import burst
+from support.load import burst, most_streaming_at_once
 from support.sidecar import Sidecar
 from support.vllm_server import VllmServer
 
@@ -48,8 +48,11 @@ async def test_shadow_mode_refuses_nothing_and_counts_what_enforce_would_do(
     assert sum(shadow.values()) == BURST, shadow
     assert shadow["admitted"] >= 1 and shadow["queue_full"] >= 1, shadow
     assert shadow["admitted"] + shadow["queue_full"] == BURST, shadow
-    # Really let through: the server ran more at once than enforce mode would have sent.
-    assert running.max > shadow["admitted"], (running.samples, shadow)
+    # Really let through: the server ran more at once than enforce mode would have sent
+    # (seen in vLLM's gauge, or, when the sampler on a busy machine misses the burst, in
+    # the tokens the clients received at the same time).
+    at_once = max(running.max, most_streaming_at_once(results))
+    assert at_once > shadow["admitted"], (running.samples, at_once, shadow)
     ledger = state["admission"]["ledger"]
     assert ledger["reserved_blocks"] == 0 and ledger["reservations"] == 0
     assert 'mode="shadow"' in next(line for line in text.splitlines()
