@@ -409,7 +409,7 @@ class AdmissionController:
         if not self.server.available:
             return False
         plan = self._plan(request)
-        charge = cost.kv_blocks + cost.shared_blocks - self.sharing.shared_blocks(plan)
+        charge = self._charge(plan, cost)
         if self.ledger.engines > 1:
             # Data parallelism: one pool per engine, each request placed on one of them
             # by its peak (`ledger.place`); the holdings over time assume one pool.
@@ -453,22 +453,20 @@ class AdmissionController:
         step_s = self._step_s(now)
         queued = [waiter for entry in self.queue.ahead_of(band, request.tenant)
                   if isinstance(waiter := entry.payload, _Waiter)]
+        plan = self._plan(request)
+        charge = self._charge(plan, cost)
         if not queued:
             if len(running.tickets) <= _EXACT_WAIT_RUNNING:
-                steps = self.room.steps_until_fits(running, request, cost,
-                                                   self._plan(request), target)
+                steps = self.room.steps_until_fits(running, request, cost, plan, target)
             else:
-                steps = self.room.steps_until_room(running, self._charge(request, cost),
-                                                   target)
-            if math.isfinite(steps):
-                return steps * step_s
-            return self._unexplained_wait_s(running, self._charge(request, cost), step_s)
-        steps = self.room.steps_behind(running, [waiter.holding for waiter in queued],
-                                       self.room.queued(request, cost), target)
+                steps = self.room.steps_until_room(running, charge, target)
+        else:
+            steps = self.room.steps_behind(running, [waiter.holding for waiter in queued],
+                                           self.room.queued(request, cost), target)
+            charge += sum(waiter.cost.kv_blocks for waiter in queued)
         if math.isfinite(steps):
             return steps * step_s
-        return self._unexplained_wait_s(running, sum(w.cost.kv_blocks for w in queued)
-                                        + self._charge(request, cost), step_s)
+        return self._unexplained_wait_s(running, charge, step_s)
 
     def _unexplained_wait_s(self, running: RunningHoldings, blocks: float,
                             step_s: float) -> float:
@@ -689,9 +687,9 @@ class AdmissionController:
         self._room_cache = None
         return ticket
 
-    def _charge(self, request: AdmissionRequest, cost: RequestCost) -> int:
-        """Blocks admitting `request` would add to the ledger now."""
-        plan = self._plan(request)
+    def _charge(self, plan: PrefixPlan, cost: RequestCost) -> int:
+        """Blocks admitting a request of this prefix plan and cost would add to the
+        ledger now."""
         return cost.kv_blocks + cost.shared_blocks - self.sharing.shared_blocks(plan)
 
     def _grow(self, ticket: Ticket) -> None:

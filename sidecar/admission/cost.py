@@ -164,8 +164,7 @@ class CostModel:
             worst_case_blocks=self.peak_blocks(prompt_tokens, worst_output, sequences) - shared,
             prefill_flops=self._flops_per_token * (prompt_tokens - cached),
             prefill_s=prefill_p50,
-            # Engine time only: the API server's per-request work runs beside the engine.
-            prefill_work_s=max(0.0, prefill - self.served.efficiency.per_request_s),
+            prefill_work_s=self._engine_work_s(prefill),
             tpot_s=tpot_model * spread.tpot_p50[bucket],
             shared_blocks=shared,
             cached_tokens=cached,
@@ -195,7 +194,11 @@ class CostModel:
 
     def prefill_work_s(self, prompt_tokens: int) -> float:
         """Engine time of one prompt's prefill alone (as `RequestCost.prefill_work_s`)."""
-        return max(0.0, self.prefill_s(prompt_tokens) - self.served.efficiency.per_request_s)
+        return self._engine_work_s(self.prefill_s(prompt_tokens))
+
+    def _engine_work_s(self, prefill_s: float) -> float:
+        """A prefill's engine time: the API server's per-request work runs beside it."""
+        return max(0.0, prefill_s - self.served.efficiency.per_request_s)
 
     def prefill_s(self, prompt_tokens: int, running: int = 0, mean_context: int = 0,
                   cached_tokens: int = 0) -> float:

@@ -172,15 +172,15 @@ class AdmissionQueue:
         assert head is not None
         return band, name, head
 
-    def ahead_of(self, band: int, tenant: str | None = None) -> Iterator[Entry]:
+    def ahead_of(self, band: int, tenant: str) -> Iterator[Entry]:
         """The entries served before a request of `tenant` pushed now to `band`:
         those of the more important bands, and of its own band those the fairness
-        policy takes first (all of them without a tenant). Starvation promotions and
-        the ordering within a tenant are not foreseen."""
+        policy takes first. Starvation promotions and the ordering within a tenant are
+        not foreseen."""
         for number, found in self._bands.items():
             if number > band:
                 continue
-            if number < band or tenant is None:
+            if number < band:
                 for other in found.tenants.values():
                     yield from _waiting(other)
                 continue
