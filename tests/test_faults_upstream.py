@@ -115,7 +115,7 @@ async def test_upstream_cut_mid_response(proxy: FaultProxy, gated: Sidecar) -> N
         streamed = await post_stream(session, gated.url + "/v1/completions", completion(300))
         proxy.set_faults(Fault(path="/v1/completions", cut_after_bytes=100))
         whole = await post_stream(session, gated.url + "/v1/completions",
-                                  completion(40, stream=False))
+                                  completion(8, stream=False))
     # A stream already started ends with an error event the client can see.
     assert streamed.status == 200 and streamed.events
     assert streamed.error is not None and streamed.error["code"] == "upstream_failed"

@@ -8,10 +8,9 @@ one: no HTTP patched, no server faked beyond the one call these tests exercise.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
-import aiohttp
 import pytest
 from prometheus_client import CollectorRegistry
 
@@ -19,7 +18,14 @@ from sidecar.metrics import SidecarMetrics
 from sidecar.server.prompt_tokens import PromptCounter
 from sidecar.server.requests import estimate_tokens, parse_generation
 from sidecar.tokens import CannotRender, LocalTokenizer
-from sidecar.upstream import Engine, ModelInfo, ServerMetrics, Tokenized, UpstreamError
+from sidecar.upstream import (
+    Engine,
+    ForwardResponse,
+    ModelInfo,
+    ServerMetrics,
+    Tokenized,
+    UpstreamError,
+)
 
 from support.env import model_dir
 
@@ -64,9 +70,9 @@ class TokenizingEngine:
     def connections(self) -> dict[str, int] | None:
         return None
 
-    async def forward(self, method: str, path_qs: str, body: Any,
-                      headers: Mapping[str, str],
-                      limits: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+    async def forward(self, method: str, path_qs: str, body: bytes | None,
+                      headers: Iterable[tuple[str, str]],
+                      read_timeout_s: float | None) -> ForwardResponse:
         raise NotImplementedError
 
 

@@ -287,6 +287,8 @@ class Calibrator:
         }
 
     def _saved_later(self, served: ServedModel) -> None:
+        if self.store.path is None:
+            return  # nowhere to save: no status to build
         self._since_save += 1
         if self._since_save >= SAVE_EVERY:
             self._since_save = 0

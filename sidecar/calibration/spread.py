@@ -61,10 +61,12 @@ class _Window:
         self.ratios: deque[float] = deque(maxlen=size)
         self.recent = recent
         self.shift = shift
+        self._factors: Factors | None = None  # until the next ratio
 
     def add(self, ratio: float) -> None:
         ratios = self.ratios
         ratios.append(ratio)
+        self._factors = None
         # The last `recent` (half the window while it is short: a fit converging from a
         # far prior moves the ratios within a few requests) against all of them.
         recent = min(self.recent, len(ratios) // 2)
@@ -77,12 +79,14 @@ class _Window:
                 ratios.extend(values[-recent:])
 
     def factors(self) -> Factors:
-        values = sorted(self.ratios)
-        p50 = quantile(values, 0.5)
-        # The conformal rank: the ceil((n + 1) x 0.9)-th smallest of n ratios is above
-        # the next one with probability >= 0.9.
-        rank = min(len(values), math.ceil((len(values) + 1) * 0.9))
-        return Factors(p50, max(p50, values[rank - 1]), len(values))
+        if self._factors is None:
+            values = sorted(self.ratios)
+            p50 = quantile(values, 0.5)
+            # The conformal rank: the ceil((n + 1) x 0.9)-th smallest of n ratios is
+            # above the next one with probability >= 0.9.
+            rank = min(len(values), math.ceil((len(values) + 1) * 0.9))
+            self._factors = Factors(p50, max(p50, values[rank - 1]), len(values))
+        return self._factors
 
 
 class Spread:

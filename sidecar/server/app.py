@@ -23,7 +23,7 @@ from sidecar.server.requests import ROUTES
 from sidecar.server.services import Services, resolve_gpu
 from sidecar.server.settings import ServeSettings
 from sidecar.tokens import find_files
-from sidecar.upstream import UpstreamClient, UpstreamWatcher
+from sidecar.upstream import Http1Pool, UpstreamClient, UpstreamWatcher
 
 log = logging.getLogger("kvgate")
 
@@ -90,11 +90,18 @@ def build_admin_app(services: Services, registry: CollectorRegistry) -> web.Appl
 
 
 def upstream_session(settings: ServeSettings) -> aiohttp.ClientSession:
-    """The pool of connections to the server: unbounded (admission bounds what is sent),
-    idle connections closed before the server closes them (`--upstream-keepalive-s`)."""
+    """Connections for kvgate's own questions to the server (models, metrics, token
+    ids), idle ones closed before the server closes them (`--upstream-keepalive-s`)."""
     connector = aiohttp.TCPConnector(limit=0, limit_per_host=0,
                                      keepalive_timeout=settings.upstream_keepalive_s)
     return aiohttp.ClientSession(connector=connector, auto_decompress=False)
+
+
+def forwarding_pool(settings: ServeSettings) -> Http1Pool:
+    """The connections forwarded requests take: unbounded (admission bounds what is
+    sent), idle ones closed before the server closes them (`--upstream-keepalive-s`)."""
+    return Http1Pool(settings.upstream, connect_timeout_s=settings.connect_timeout_s,
+                     keepalive_s=settings.upstream_keepalive_s)
 
 
 async def _upstream_context(app: web.Application) -> AsyncIterator[None]:
@@ -102,7 +109,8 @@ async def _upstream_context(app: web.Application) -> AsyncIterator[None]:
     settings = services.settings
     async with upstream_session(settings) as session:
         app[SESSION] = session
-        client = UpstreamClient(settings.upstream, session,
+        pool = forwarding_pool(settings)
+        client = UpstreamClient(settings.upstream, session, pool,
                                 control_timeout_s=max(2.0, settings.connect_timeout_s))
         watcher = UpstreamWatcher(client, interval_s=settings.metrics_interval_s,
                                   on_update=services.on_upstream)
@@ -117,6 +125,7 @@ async def _upstream_context(app: web.Application) -> AsyncIterator[None]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
+        await pool.close()
 
 
 async def serve(settings: ServeSettings, *, stop: asyncio.Event | None = None) -> int:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import io
 import logging
 import time
 from collections.abc import Mapping
@@ -36,6 +35,12 @@ from sidecar.server.requests import (
 )
 from sidecar.server.services import Services
 from sidecar.server.token_stream import EventAligner, TokenCounter
+from sidecar.upstream import (
+    ForwardError,
+    ForwardResponse,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
 from sidecar.upstream.refusals import RefusalWatch
 
 log = logging.getLogger("kvgate.proxy")
@@ -54,7 +59,8 @@ DRAIN_CUT = "kvgate: drain timeout"
 DRAINED_EVENT = (b'{"error": {"message": "the sidecar shut down before the stream ended '
                  b'(--drain-timeout-s)", "type": "api_error", "code": "draining", '
                  b'"param": null}}')
-LARGE_BODY_BYTES = 512 * 1024
+BROKEN_EVENT = (b'{"error": {"message": "the model server failed mid-stream", '
+                b'"type": "api_error", "code": "upstream_failed", "param": null}}')
 
 
 def _forward_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
@@ -63,6 +69,21 @@ def _forward_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMult
         if name.lower() not in drop:
             kept.add(name, value)
     return kept
+
+
+def _response_headers(upstream: ForwardResponse, ticket: Ticket | None) -> CIMultiDict[str]:
+    """The server's headers (less hop-by-hop ones), and kvgate's figures when admitted."""
+    headers = _forward_headers(upstream.headers, HOP_BY_HOP)
+    if ticket is not None:
+        cost = ticket.cost
+        headers["x-kvgate-queue-ms"] = f"{ticket.queue_wait_s * 1000:.1f}"
+        headers["x-kvgate-predicted-ttft-ms"] = f"{ticket.predicted_ttft_s * 1000:.1f}"
+        headers["x-kvgate-kv-blocks"] = str(cost.kv_blocks + cost.shared_blocks)
+        headers["x-kvgate-prompt-tokens"] = str(cost.prompt_tokens)
+        headers["x-kvgate-kv-shared-blocks"] = str(cost.shared_blocks)
+        headers["x-kvgate-cached-tokens"] = str(cost.cached_tokens)
+        headers["x-kvgate-predicted-tpot-ms"] = f"{ticket.predicted_tpot_s * 1000:.2f}"
+    return headers
 
 
 def _engine_pinned(headers: CIMultiDict[str], services: Services,
@@ -96,22 +117,23 @@ def _draining(services: Services) -> web.Response:
                           retry_after_s=services.settings.drain_timeout_s)
 
 
-def _upstream_failed(services: Services, exc: Exception) -> web.Response:
+def _upstream_failed(services: Services, exc: ForwardError) -> web.Response:
     """No response from the server: 504 when it stayed silent longer than
-    --read-timeout-s, else 503 (refused, reset, connect timeout) or 502 (garbage)."""
+    --read-timeout-s, 502 for an answer that is not HTTP, else 503 (refused, reset,
+    connect timeout)."""
     if services.watcher is not None:
         services.watcher.poke()
     name = exc.__class__.__name__
-    if isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError):
+    if isinstance(exc, UpstreamTimeout):
         services.metrics.upstream_errors.labels("timeout").inc()
         timeout_s = services.settings.read_timeout_s
         return error_response(504, f"the model server did not answer within {timeout_s:g} s "
                               "(--read-timeout-s)", code="upstream_timeout", retry_after_s=5.0)
     services.metrics.upstream_errors.labels("connect").inc()
-    if isinstance(exc, aiohttp.ClientConnectionError | TimeoutError):
-        return _unavailable(f"the model server is unavailable ({name})")
-    return error_response(502, f"the model server answered something unusable ({name})",
-                          code="upstream_failed", retry_after_s=5.0)
+    if isinstance(exc, UpstreamProtocolError):
+        return error_response(502, f"the model server answered something unusable ({name})",
+                              code="upstream_failed", retry_after_s=5.0)
+    return _unavailable(f"the model server is unavailable ({name})")
 
 
 async def _read_body(request: web.Request) -> bytes | web.Response:
@@ -197,14 +219,9 @@ async def forward(
     """Send the request upstream and stream the answer back; settle the ticket."""
     client = services.client
     assert client is not None
-    settings = services.settings
-    timeout = aiohttp.ClientTimeout(
-        total=None, sock_connect=settings.connect_timeout_s, sock_read=settings.read_timeout_s
-    )
     counter = TokenCounter(stream=bool(gen and gen.stream), sequences=gen.sequences if gen else 1)
-    completed = False
+    relay = _Relay(counter, ticket)
     sent_at = time.monotonic()
-    first_at: float | None = None
     batch_at_start = services.controller.inflight if services.controller else 0
     record = access_log.forwarding(request, ticket, stream=gen.stream if gen else None)
     task = asyncio.current_task()
@@ -216,14 +233,13 @@ async def forward(
             upstream = await client.forward(
                 request.method,
                 request.rel_url.path_qs,
-                # aiohttp streams a BytesIO; a large bytes object would block the loop.
-                (io.BytesIO(raw) if len(raw) > LARGE_BODY_BYTES else raw) if raw else None,
+                raw or None,
                 record.upstream_headers(_engine_pinned(
                     _forward_headers(request.headers, HOP_BY_HOP | STEERING), services,
-                    ticket)),
-                timeout,
+                    ticket)).items(),
+                services.settings.read_timeout_s,
             )
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except ForwardError as exc:
             return record.upstream_failed(_upstream_failed(services, exc))
         except asyncio.CancelledError as exc:
             if not _drain_cut(exc):
@@ -231,78 +247,9 @@ async def forward(
             record.end = access_log.END_DRAIN
             return _draining(services)  # no answer yet at the end of the drain
         record.upstream_status = upstream.status
-        refusal = RefusalWatch(upstream.status)
         try:
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            response.headers.update(_forward_headers(upstream.headers, HOP_BY_HOP))
-            if "Content-Length" in upstream.headers and not (gen and gen.stream):
-                response.content_length = int(upstream.headers["Content-Length"])
-            if ticket is not None:
-                response.headers["x-kvgate-queue-ms"] = f"{ticket.queue_wait_s * 1000:.1f}"
-                response.headers["x-kvgate-predicted-ttft-ms"] = (
-                    f"{ticket.predicted_ttft_s * 1000:.1f}")
-                response.headers["x-kvgate-kv-blocks"] = str(
-                    ticket.cost.kv_blocks + ticket.cost.shared_blocks)
-                response.headers["x-kvgate-prompt-tokens"] = str(ticket.cost.prompt_tokens)
-                response.headers["x-kvgate-kv-shared-blocks"] = str(ticket.cost.shared_blocks)
-                response.headers["x-kvgate-cached-tokens"] = str(ticket.cost.cached_tokens)
-                response.headers["x-kvgate-predicted-tpot-ms"] = (
-                    f"{ticket.predicted_tpot_s * 1000:.2f}")
-            # Streams are passed on in whole events, so that the error event below is
-            # never glued to half an event.
-            events = (EventAligner() if gen is not None and gen.stream
-                      and upstream.content_type == "text/event-stream" else None)
-            await response.prepare(request)
-            try:
-                async for chunk in upstream.content.iter_any():
-                    refusal.feed(chunk)
-                    if ticket is not None and counter.feed(chunk):
-                        if first_at is None:
-                            first_at = time.monotonic()
-                            ticket.first_token()
-                        ticket.progress(counter.tokens)
-                    out = events.feed(chunk) if events is not None else chunk
-                    if out:
-                        await response.write(out)
-            except aiohttp.ClientConnectionResetError:
-                raise  # writing to the client failed: it went away (handled below)
-            except asyncio.CancelledError as exc:
-                if events is None or not _drain_cut(exc):
-                    raise
-                # Still streaming at the end of the drain: end with an error event.
-                record.end = access_log.END_DRAIN
-                response.force_close()
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(response.write(events.error_event(
-                        b"data: " + DRAINED_EVENT + b"\n\n")), 1.0)
-                return response
-            except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError,
-                    TimeoutError) as exc:
-                # The server died or stalled mid-response: end the stream with an error
-                # the client can see instead of leaving it hanging.
-                kind = "timeout" if isinstance(exc, TimeoutError) else "disconnect"
-                services.metrics.upstream_errors.labels(kind).inc()
-                record.broke(kind)
-                if services.watcher is not None:
-                    services.watcher.poke()
-                if events is not None:
-                    message = b'{"error": {"message": "the model server failed mid-stream", ' \
-                              b'"type": "api_error", "code": "upstream_failed", "param": null}}'
-                    await response.write(events.error_event(b"data: " + message + b"\n\n"))
-                else:
-                    # A body shorter than announced: only closing the connection says so.
-                    response.force_close()
-                return response
-            if events is not None and (rest := events.flush()):
-                await response.write(rest)
-            await response.write_eof()
-            refused = refusal.reason()
-            completed = upstream.status < 400 and refused is None
-            if upstream.status >= 500:
-                services.metrics.upstream_errors.labels("status").inc()
-            if refused is not None:
-                services.server_refused(refused)
-            return response
+            return await _relay_response(request, upstream, services, record, relay,
+                                         gen, ticket)
         finally:
             upstream.close()
     except (ConnectionResetError, aiohttp.ClientConnectionResetError):
@@ -313,10 +260,106 @@ async def forward(
             running.discard(task)
         if ticket is not None:
             counter.finish()
-            ticket.finish(counter.tokens if counter.tokens else None, completed=completed)
-            if completed:
-                _observe(services, ticket, gen, arrived_at or sent_at, sent_at, first_at, counter,
-                         batch_at_start)
+            ticket.finish(counter.tokens if counter.tokens else None, completed=relay.completed)
+            if relay.completed:
+                _observe(services, ticket, gen, arrived_at or sent_at, sent_at, relay.first_at,
+                         counter, batch_at_start)
+
+
+class _Relay:
+    """What passes through on its way to the client: tokens counted as they arrive, the
+    first one's time, the server's own refusals, and whether the answer was complete."""
+
+    __slots__ = ("completed", "counter", "first_at", "refusal", "ticket")
+
+    def __init__(self, counter: TokenCounter, ticket: Ticket | None) -> None:
+        self.counter = counter
+        self.ticket = ticket
+        self.first_at: float | None = None
+        self.completed = False
+        self.refusal = RefusalWatch(0)  # watches nothing until the answer's status is known
+
+    def feed(self, chunk: bytes) -> None:
+        self.refusal.feed(chunk)
+        ticket = self.ticket
+        if ticket is not None and self.counter.feed(chunk):
+            if self.first_at is None:
+                self.first_at = time.monotonic()
+                ticket.first_token()
+            ticket.progress(self.counter.tokens)
+
+
+async def _relay_response(request: web.Request, upstream: ForwardResponse,
+                          services: Services, record: access_log.RequestRecord,
+                          relay: _Relay, gen: GenerationRequest | None,
+                          ticket: Ticket | None) -> web.StreamResponse:
+    relay.refusal = RefusalWatch(upstream.status)
+    headers = _response_headers(upstream, ticket)
+    # Streams are passed on in whole events, so that the error event below is never
+    # glued to half an event.
+    events = (EventAligner() if gen is not None and gen.stream
+              and upstream.content_type == "text/event-stream" else None)
+    if events is None and upstream.received_whole:
+        # The whole body came with the head (the usual plain answer): one write.
+        body = upstream.take_received()
+        relay.feed(body)
+        response: web.StreamResponse = web.Response(
+            status=upstream.status, reason=upstream.reason, body=body, headers=headers)
+        _settle(services, upstream, relay)
+        return response
+    response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
+                                  headers=headers)
+    length = upstream.headers.get("Content-Length")
+    if length is not None and not (gen and gen.stream):
+        response.content_length = int(length)
+    await response.prepare(request)
+    try:
+        while chunk := await upstream.read_chunk():
+            relay.feed(chunk)
+            out = events.feed(chunk) if events is not None else chunk
+            if out:
+                await response.write(out)
+    except aiohttp.ClientConnectionResetError:
+        raise  # writing to the client failed: it went away (handled by the caller)
+    except asyncio.CancelledError as exc:
+        if events is None or not _drain_cut(exc):
+            raise
+        # Still streaming at the end of the drain: end with an error event.
+        record.end = access_log.END_DRAIN
+        response.force_close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(response.write(events.error_event(
+                b"data: " + DRAINED_EVENT + b"\n\n")), 1.0)
+        return response
+    except ForwardError as exc:
+        # The server died or stalled mid-response: end the stream with an error the
+        # client can see instead of leaving it hanging.
+        kind = "timeout" if isinstance(exc, UpstreamTimeout) else "disconnect"
+        services.metrics.upstream_errors.labels(kind).inc()
+        record.broke(kind)
+        if services.watcher is not None:
+            services.watcher.poke()
+        if events is not None:
+            await response.write(events.error_event(b"data: " + BROKEN_EVENT + b"\n\n"))
+        else:
+            # A body shorter than announced: only closing the connection says so.
+            response.force_close()
+        return response
+    if events is not None and (rest := events.flush()):
+        await response.write(rest)
+    await response.write_eof()
+    _settle(services, upstream, relay)
+    return response
+
+
+def _settle(services: Services, upstream: ForwardResponse, relay: _Relay) -> None:
+    """The whole answer was passed on: count server errors and refusals."""
+    refused = relay.refusal.reason()
+    relay.completed = upstream.status < 400 and refused is None
+    if upstream.status >= 500:
+        services.metrics.upstream_errors.labels("status").inc()
+    if refused is not None:
+        services.server_refused(refused)
 
 
 def _observe(services: Services, ticket: Ticket, gen: GenerationRequest | None,

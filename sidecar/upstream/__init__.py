@@ -1,18 +1,35 @@
-"""The upstream vLLM server: its client, a metrics snapshot, and a watcher."""
+"""The upstream vLLM server: its client, the forwarding pool, a metrics snapshot, and a
+watcher."""
 
 from sidecar.upstream.client import ModelInfo, Tokenized, UpstreamClient, UpstreamError
 from sidecar.upstream.engine import Engine
+from sidecar.upstream.http1 import (
+    ForwardError,
+    ForwardResponse,
+    Http1Pool,
+    UpstreamBroke,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 from sidecar.upstream.server_metrics import CacheConfig, ServerMetrics, parse_server_metrics
 from sidecar.upstream.watcher import UpstreamView, UpstreamWatcher
 
 __all__ = [
     "CacheConfig",
     "Engine",
+    "ForwardError",
+    "ForwardResponse",
+    "Http1Pool",
     "ModelInfo",
     "ServerMetrics",
     "Tokenized",
+    "UpstreamBroke",
     "UpstreamClient",
     "UpstreamError",
+    "UpstreamProtocolError",
+    "UpstreamTimeout",
+    "UpstreamUnavailable",
     "UpstreamView",
     "UpstreamWatcher",
     "parse_server_metrics",

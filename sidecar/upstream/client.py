@@ -1,20 +1,24 @@
 """The vLLM client: what the sidecar asks the server about itself, and the requests it
 forwards (vLLM's implementation of `engine.Engine`).
 
-One `aiohttp.ClientSession` (owned by the server's composition root) is passed in;
-every call has explicit timeouts and raises `UpstreamError` naming what failed.
+The questions about the server go through one `aiohttp.ClientSession`; forwarded
+requests through the lean HTTP/1.1 pool of http1.py (every admitted request takes that
+path). Both are owned by the server's composition root and passed in; every call has
+explicit timeouts and raises `UpstreamError` (or, forwarding, a `ForwardError`) naming
+what failed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 
+from sidecar.upstream.http1 import ForwardResponse, Http1Pool
 from sidecar.upstream.server_metrics import ServerMetrics, parse_server_metrics
 
 
@@ -48,11 +52,13 @@ class UpstreamClient:
         self,
         base_url: str,
         session: aiohttp.ClientSession,
+        forwarding: Http1Pool,
         *,
         control_timeout_s: float = 5.0,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.session = session
+        self.forwarding = forwarding
         self._timeout = aiohttp.ClientTimeout(total=control_timeout_s)
 
     def url(self, path: str) -> str:
@@ -127,22 +133,16 @@ class UpstreamClient:
             return Tokenized(count, None)
         return Tokenized(count, tuple(tokens))
 
-    async def forward(self, method: str, path_qs: str, body: Any,
-                      headers: Mapping[str, str],
-                      limits: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
-        """Send a client's request on as it is (bytes or a stream of them); the response
-        is not read: the caller streams it back and closes it."""
-        return await self.session.request(
-            method, self.base_url + path_qs, data=body, headers=headers, timeout=limits,
-            allow_redirects=False, auto_decompress=False)
+    async def forward(self, method: str, path_qs: str, body: bytes | None,
+                      headers: Iterable[tuple[str, str]],
+                      read_timeout_s: float | None) -> ForwardResponse:
+        """Send a client's request on as it is; the response's body is not read: the
+        caller streams it back and closes it."""
+        return await self.forwarding.request(method, path_qs, headers, body, read_timeout_s)
 
     def connections(self) -> dict[str, int]:
-        """Connections to the server: in use and idle in the pool."""
-        connector = self.session.connector
-        # aiohttp keeps no public count: its pool's in-use set and idle lists.
-        acquired = getattr(connector, "_acquired", ())
-        idle = getattr(connector, "_conns", {})
-        return {"active": len(acquired), "idle": sum(len(c) for c in idle.values())}
+        """Connections for forwarded requests: in use and idle in the pool."""
+        return self.forwarding.counts()
 
     async def version(self) -> str | None:
         """The server's version (vLLM's GET /version), or None if it does not say."""

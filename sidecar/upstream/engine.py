@@ -7,12 +7,11 @@ the same few calls instead of patching the HTTP client.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
-import aiohttp
-
 from sidecar.upstream.client import ModelInfo, Tokenized
+from sidecar.upstream.http1 import ForwardResponse
 from sidecar.upstream.server_metrics import ServerMetrics
 
 
@@ -47,8 +46,9 @@ class Engine(Protocol):
         """Connections to the server in use and idle (leak indicators), when known."""
         ...
 
-    async def forward(self, method: str, path_qs: str, body: Any,
-                      headers: Mapping[str, str],
-                      limits: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
-        """Send a client's request on; the caller streams the response and closes it."""
+    async def forward(self, method: str, path_qs: str, body: bytes | None,
+                      headers: Iterable[tuple[str, str]],
+                      read_timeout_s: float | None) -> ForwardResponse:
+        """Send a client's request on; the caller streams the response and closes it.
+        Raises a `ForwardError` (http1.py) when no usable answer comes."""
         ...
