@@ -305,3 +305,33 @@ def test_not_a_url_is_refused() -> None:
         Origin.parse("vllm:8000")
 
 
+
+
+def test_the_same_on_uvloop() -> None:
+    """`--event-loop uvloop`: its transports are not asyncio's classes but work alike."""
+    import uvloop
+
+    async def exchange() -> tuple[bytes, bytes, int]:
+        connections = 0
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            nonlocal connections
+            connections += 1
+            while await _read_request(reader) is not None:
+                writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+                             b"5\r\nhello\r\n0\r\n\r\n")
+            writer.close()
+
+        listener = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = listener.sockets[0].getsockname()[1]
+        pool = Http1Pool(f"http://127.0.0.1:{port}", connect_timeout_s=2.0, keepalive_s=5.0)
+        bodies = []
+        for _ in range(2):
+            response = await pool.request("POST", "/x", [], b"{}", 5.0)
+            bodies.append(await response.read())
+            response.close()
+        await pool.close()
+        listener.close()
+        return bodies[0], bodies[1], connections
+
+    assert uvloop.run(exchange()) == (b"hello", b"hello", 1)

@@ -26,6 +26,7 @@ import collections
 import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import cast
 from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
@@ -122,8 +123,8 @@ class _Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol ---------------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        # A stream transport (uvloop's is not a subclass of asyncio's, but behaves as one).
+        self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         self.received_any = True
