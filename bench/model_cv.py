@@ -11,9 +11,9 @@ step, per request, per all-reduce). It starts from a fixed textbook prior
 (`NEUTRAL_START`), not from the committed constants, so no fold sees the rows it is
 tested on, even through its starting point.
 
-Leave one model family out (`FAMILIES`): for each family, the terms are fitted on the
-steady rows (one request at a time) of every other family and then predict the held
-family's rows:
+Leave one model family out (`FAMILIES`; a model outside them is a family of its own,
+`model_family`): for each family, the terms are fitted on the steady rows (one request
+at a time) of every other family and then predict the held family's rows:
 
 - steady rows (concurrency 1): TTFT and TPOT by `steady_latency`, as `kvgate plan`;
 - burst rows (N prompts sent at once, concurrency > 1): mean TTFT and TPOT from the
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import csv
 import math
+import re
 import statistics
 import sys
 import time
@@ -79,11 +80,18 @@ MIN_ROWS_PER_ENGINE = 3
 BANDS = ("concurrency 1", "concurrency > 1")
 
 
-def family(case: LatencyCase) -> str:
+def model_family(model: str) -> str:
+    """The model's family in FAMILIES; a model outside them is a family of its own: its
+    name without organisation and size (`google/gemma-2-27b-it` -> `gemma-2`)."""
     for name, marker in FAMILIES.items():
-        if marker.lower() in case.model.lower():
+        if marker.lower() in model.lower():
             return name
-    raise ValueError(f"{case.ref}: model {case.model!r} is in no family of FAMILIES")
+    stem = model.rsplit("/", 1)[-1].split(" (", maxsplit=1)[0].strip().lower()
+    return re.split(r"-(?:\d+x)?\d+(?:\.\d+)?[bm](?![a-z])", stem)[0]
+
+
+def family(case: LatencyCase) -> str:
+    return model_family(case.model)
 
 
 @cache

@@ -21,7 +21,7 @@ import pytest
 
 from sidecar.model.units import GIB
 
-from bench.model_cv import BANDS, Prediction, cross_validate, median_ape
+from bench.model_cv import BANDS, FAMILIES, Prediction, cross_validate, median_ape, model_family
 from support.groundtruth import (
     KV_EXACT_EXCEPTIONS,
     KvCase,
@@ -129,6 +129,15 @@ def test_every_row_is_predicted_out_of_fold_and_finite() -> None:
     assert all(math.isfinite(p.ape) for p in predictions)
     # A fold never sees its own family: each row's family is the fold's.
     assert {p.family for p in predictions} >= {"llama-2", "mistral", "mixtral", "qwen"}
+
+
+def test_a_model_outside_the_families_is_a_family_of_its_own() -> None:
+    # Sizes of one model share its family; a new model is held out alone, not refused.
+    assert model_family("google/gemma-2-9b") == model_family("google/gemma-2-27b-it") == "gemma-2"
+    assert model_family("meta-llama/Llama-3.1-8B-Instruct") == "llama-3.1"
+    assert model_family("deepseek-ai/DeepSeek-V3") == "deepseek-v3"
+    assert model_family("gemma-2-9b") not in FAMILIES
+    assert model_family("openai/gpt-oss-120b") == model_family("gpt-oss-20b") == "gpt-oss"
 
 
 def test_the_committed_constants_predict_finite_figures_for_every_steady_row() -> None:
