@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 from sidecar.admission import AdmissionController, AdmissionRequest, Ticket
-from sidecar.admission.prefix import EventCache, TrafficCache, block_keys
+from sidecar.admission.prefix import ROOT_KEY, EventCache, TrafficCache, block_keys, chain_key
 from sidecar.model.units import cdiv
 
 from support.admission_fixtures import FakeClock, controller, tiny_served
@@ -27,6 +27,17 @@ def request(ctl: AdmissionController, tokens: list[int], output: int = 64,
 
 def admit(ctl: AdmissionController, req: AdmissionRequest) -> Ticket:
     return asyncio.run(ctl.admit(req))
+
+
+def test_block_keys_are_chain_keys_of_each_full_block() -> None:
+    # What the server's events are keyed by (chain_key per block) and what prompts are
+    # keyed by (block_keys, all blocks at once) must agree, key for key.
+    tokens = [7, 2**40, 0, 31999, *range(100, 100 + 3 * BLOCK)]
+    parent, expected = ROOT_KEY, []
+    for start in range(0, len(tokens) - BLOCK + 1, BLOCK):
+        parent = chain_key(parent, tokens[start:start + BLOCK])
+        expected.append(parent)
+    assert block_keys(tokens, BLOCK) == tuple(expected) and len(expected) == 3
 
 
 def test_block_keys_chain_full_blocks_and_a_salt_separates_them() -> None:

@@ -47,6 +47,7 @@ from typing import Protocol
 
 ROOT_KEY = b"kvgate-prefix-root"
 _KEY_BYTES = 16
+_TOKEN_BYTES = 8  # each token id as a signed 64-bit integer ("q")
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, salt: bytes = b"") -> tuple[bytes, ...]:
@@ -55,8 +56,12 @@ def block_keys(token_ids: Sequence[int], block_size: int, salt: bytes = b"") -> 
         raise ValueError("block size must be >= 1")
     keys: list[bytes] = []
     parent = salt or ROOT_KEY
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = chain_key(parent, token_ids[start:start + block_size])
+    # chain_key's bytes for every block at once (one conversion, not one per block).
+    data = array("q", token_ids).tobytes()
+    step = block_size * _TOKEN_BYTES
+    blake2b = hashlib.blake2b
+    for start in range(0, len(data) - step + 1, step):
+        parent = blake2b(parent + data[start:start + step], digest_size=_KEY_BYTES).digest()
         keys.append(parent)
     return tuple(keys)
 

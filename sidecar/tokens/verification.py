@@ -34,32 +34,39 @@ class Plan(Enum):
     SERVER = "server"  # the server counts this shape
 
 
+def _digest(parts: list[Any]) -> str:
+    encoded = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha1(encoded).hexdigest()[:16]
+
+
+# A prompt's shape is one of two (every request of a completions route has one).
+_PROMPT_SHAPES = {special: _digest(["prompt", special]) for special in (True, False)}
+
+
 def shape_of(payload: Mapping[str, Any]) -> str:
     """A short key for what decides how the payload is rendered (never its text)."""
     if "prompt" in payload:
-        parts: list[Any] = ["prompt", bool(payload.get("add_special_tokens", True))]
-    else:
-        messages = payload.get("messages")
-        roles = []
-        for message in messages if isinstance(messages, list) else ():
-            if isinstance(message, Mapping):
-                content = message.get("content")
-                roles.append((str(message.get("role")), type(content).__name__,
-                              "tool_calls" in message, "name" in message))
-        kwargs = payload.get("chat_template_kwargs")
-        template = payload.get("chat_template")
-        parts = [
-            "chat", sorted(set(roles)),
-            payload.get("tools") is not None,
-            sorted(kwargs) if isinstance(kwargs, Mapping) else None,
-            bool(payload.get("add_generation_prompt", True)),
-            bool(payload.get("continue_final_message", False)),
-            bool(payload.get("add_special_tokens", False)),
-            hashlib.sha1(template.encode("utf-8", "surrogatepass")).hexdigest()[:12]
-            if isinstance(template, str) else None,
-        ]
-    encoded = json.dumps(parts, sort_keys=True, default=str).encode()
-    return hashlib.sha1(encoded).hexdigest()[:16]
+        return _PROMPT_SHAPES[bool(payload.get("add_special_tokens", True))]
+    messages = payload.get("messages")
+    roles = []
+    for message in messages if isinstance(messages, list) else ():
+        if isinstance(message, Mapping):
+            content = message.get("content")
+            roles.append((str(message.get("role")), type(content).__name__,
+                          "tool_calls" in message, "name" in message))
+    kwargs = payload.get("chat_template_kwargs")
+    template = payload.get("chat_template")
+    parts = [
+        "chat", sorted(set(roles)),
+        payload.get("tools") is not None,
+        sorted(kwargs) if isinstance(kwargs, Mapping) else None,
+        bool(payload.get("add_generation_prompt", True)),
+        bool(payload.get("continue_final_message", False)),
+        bool(payload.get("add_special_tokens", False)),
+        hashlib.sha1(template.encode("utf-8", "surrogatepass")).hexdigest()[:12]
+        if isinstance(template, str) else None,
+    ]
+    return _digest(parts)
 
 
 @dataclass

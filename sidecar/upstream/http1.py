@@ -96,7 +96,7 @@ class _Connection(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.closed = False
-        self.idle_timer: asyncio.TimerHandle | None = None
+        self.idle_since = 0.0  # loop time it went back to the pool
         self._reset()
 
     # -- one exchange -------------------------------------------------------------
@@ -331,9 +331,6 @@ class _Connection(asyncio.Protocol):
         return bool(self._chunks)
 
     def close(self) -> None:
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
-            self.idle_timer = None
         self._pool.forget(self)
         if not self.closed:
             self.closed = True
@@ -425,17 +422,20 @@ class Http1Pool:
         self._ssl: ssl.SSLContext | None = (ssl.create_default_context()
                                             if self.origin.tls else None)
         self._closed = False
+        self._sweep: asyncio.TimerHandle | None = None
 
     # -- the pool ---------------------------------------------------------------------
     async def _acquire(self) -> tuple[_Connection, bool]:
+        fresh_after = asyncio.get_running_loop().time() - self.keepalive_s
         while self._idle:
-            connection = self._idle.pop()
-            if connection.idle_timer is not None:
-                connection.idle_timer.cancel()
-                connection.idle_timer = None
-            if not connection.closed:
-                self._active.add(connection)
-                return connection, True
+            connection = self._idle.pop()  # the most recently used: least likely closed
+            if connection.closed:
+                continue
+            if connection.idle_since < fresh_after:
+                connection.close()  # idle too long: the server may be closing it now
+                continue
+            self._active.add(connection)
+            return connection, True
         return await self._connect(), False
 
     async def _connect(self) -> _Connection:
@@ -464,15 +464,23 @@ class Http1Pool:
         if connection.closed or not connection.keep_alive or self._closed:
             connection.close()
             return
-        connection.idle_timer = asyncio.get_running_loop().call_later(
-            self.keepalive_s, self._expire, connection)
+        loop = asyncio.get_running_loop()
+        connection.idle_since = loop.time()
         self._idle.append(connection)
+        if self._sweep is None:
+            self._sweep = loop.call_later(self.keepalive_s, self._close_expired)
 
-    def _expire(self, connection: _Connection) -> None:
-        connection.idle_timer = None
-        if connection in self._idle:
-            self._idle.remove(connection)
-        connection.close()
+    def _close_expired(self) -> None:
+        """Close the connections idle longer than `keepalive_s` (one timer for the pool,
+        not one per request)."""
+        self._sweep = None
+        loop = asyncio.get_running_loop()
+        fresh_after = loop.time() - self.keepalive_s
+        for connection in [c for c in self._idle if c.idle_since <= fresh_after]:
+            connection.close()
+        if self._idle:
+            oldest = min(c.idle_since for c in self._idle)
+            self._sweep = loop.call_at(oldest + self.keepalive_s, self._close_expired)
 
     def forget(self, connection: _Connection) -> None:
         """A connection that closed: no longer in the pool."""
@@ -485,6 +493,9 @@ class Http1Pool:
 
     async def close(self) -> None:
         self._closed = True
+        if self._sweep is not None:
+            self._sweep.cancel()
+            self._sweep = None
         for connection in [*self._idle, *self._active]:
             connection.close()
         self._idle.clear()
