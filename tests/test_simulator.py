@@ -26,11 +26,16 @@ from sidecar.model.simulator import (
     parse_trace,
     simulate,
 )
+from sidecar.model.simulator_engine import Engine
 
 from support.admission_fixtures import TINY_LLAMA
 
 SLIDING = {**TINY_LLAMA, "model_type": "mistral", "num_key_value_heads": 1, "head_dim": 32,
            "sliding_window": 256, "max_position_embeddings": 4096}
+
+HYBRID = {**TINY_LLAMA, "model_type": "gemma2", "num_hidden_layers": 2, "head_dim": 32,
+          "sliding_window": 128, "query_pre_attn_scalar": 32,
+          "layer_types": ["sliding_attention", "full_attention"]}
 
 
 def served(blocks: int = 256, block: int = 16, chunk: int = 2048, seqs: int = 256,
@@ -148,6 +153,41 @@ def test_a_cache_too_small_preempts_and_every_request_still_completes() -> None:
     assert gated.preemptions == 0
     assert all(r.finish_s is not None for r in gated.records)
     assert gated.peak_blocks == 16 == model.lifecycle.peak_blocks(100, 150)
+
+
+def test_a_window_is_admitted_for_the_chunks_it_holds_so_no_request_preempts_itself() -> None:
+    # A sliding (window 128) + full hybrid, blocks of 16, a budget of 128 tokens, 235
+    # usable blocks; three 1,024-token prompts of 100 output tokens sent at once.
+    # vLLM's admission check (`Scheduler.schedule` -> `KVCacheManager.allocate_slots(
+    # full_sequence_must_fit=True)` -> `get_num_blocks_to_allocate(apply_admission_cap
+    # =True)`) reserves the full group's cdiv(1024, 16) = 64 blocks and the window's
+    # `SlidingWindowSpec.max_admission_blocks_per_request`: cdiv(128 - 1 +
+    # max_in_flight_tokens, 16) + 1, with max_in_flight_tokens = 2 x 128 under
+    # asynchronous scheduling (`VllmConfig.max_concurrent_batches`) = 25 blocks: 89.
+    model = served(config=HYBRID, blocks=236, chunk=128, block=16, max_len=1140)
+    requests = [SimRequest(0.0, 1024, 100) for _ in range(3)]
+    engine = Engine(model, exact(model), None)
+    assert engine._full(1024) == 64 + (-(-(127 + 2 * 128) // 16) + 1) == 89
+    # ...at least what one such request holds at its peak (a chunk written beside the
+    # one still in flight, and the window before them).
+    assert model.lifecycle.peak_blocks(1024, 100) <= 89
+    # A and B decode holding up to cdiv(1123, 16) + 10 = 81 blocks each: the 73-85
+    # left never hold C's 89, so C waits for A to finish and nothing is preempted.
+    result = engine.run(Trace(requests))
+    a, _, c = result.records
+    assert result.preemptions == 0
+    assert c.first_token_s is not None and a.finish_s is not None
+    assert c.first_token_s > a.finish_s
+    assert all(r.finish_s is not None and r.recomputed_tokens == 0 for r in result.records)
+    # Counted with one chunk in flight (cdiv(127 + 128, 16) + 1 = 17), C's 81 fit beside
+    # A and B; its later chunks do not, so the running request admitted last, C itself,
+    # is preempted (`self.running[-1]`), passes the same check again and again, and
+    # prefills its prompt anew each time.
+    lax = Engine(model, exact(model), None)
+    lax.admission_in_flight = 128
+    thrashed = lax.run(Trace(requests))
+    assert thrashed.records[2].preemptions >= 5
+    assert thrashed.records[2].recomputed_tokens >= 5 * 1024
 
 
 def test_more_decodes_than_the_budget_take_turns_in_running_order() -> None:
@@ -395,11 +435,6 @@ def test_simulate_help_explains_the_command() -> None:
     assert "through kvgate" in out and "--trace" in out and "prefix_group" in out
     code, out, _ = _cli(["--help"])
     assert "simulate" in out
-
-
-HYBRID = {**TINY_LLAMA, "model_type": "gemma2", "num_hidden_layers": 2, "head_dim": 32,
-          "sliding_window": 128, "query_pre_attn_scalar": 32,
-          "layer_types": ["sliding_attention", "full_attention"]}
 
 
 @pytest.mark.parametrize(("config", "chunk"), [(TINY_LLAMA, 96), (SLIDING, 96), (HYBRID, 96),

@@ -14,8 +14,10 @@ It follows `vllm/v1/core/sched/scheduler.py` (vLLM 0.32), one `schedule()` per s
 3. if nothing was preempted, waiting requests (FCFS, or by (priority, arrival)) are
    admitted while budget and `max_num_seqs` allow: a prefix-cache lookup first (whole
    blocks of its group's shared prefix, never the last token), then vLLM's admission
-   check (the whole prompt must fit in the free blocks, `scheduler_reserve_full_isl`),
-   then its first chunk, which must fit too. The first request that does not fit stops
+   check (the whole prompt must fit in the free blocks, `scheduler_reserve_full_isl`;
+   a sliding window counted up to the window plus the tokens of the step in flight and
+   of the step scheduled, `SlidingWindowSpec.max_admission_blocks_per_request`), then
+   its first chunk, which must fit too. The first request that does not fit stops
    admission.
 
 vLLM schedules a step while the previous one runs (asynchronous scheduling, on by
@@ -215,6 +217,11 @@ class Engine:
         self.per_request_s = served.efficiency.per_request_s
         self.usable = config.usable_blocks
         self.budget = config.max_num_batched_tokens
+        # vLLM's admission check counts a recycling group (a sliding window) up to its
+        # window plus `VllmConfig.max_in_flight_tokens`: max_concurrent_batches x
+        # max_num_batched_tokens, 2 batches with asynchronous scheduling, the step in
+        # flight that the holdings here keep and the step being scheduled.
+        self.admission_in_flight = (served.lifecycle.in_flight_steps + 1) * self.budget
         self.gate = gate
         self.gate_cap = int(self.usable * gate.target_ratio) if gate else 0
         # time and queues
@@ -578,10 +585,18 @@ class Engine:
         return blocks
 
     def _full(self, tokens: int) -> int:
-        """Blocks a request of `tokens` tokens holds at most (windows capped)."""
+        """Blocks vLLM's admission check reserves for a sequence of `tokens` tokens, at
+        least the most it holds: `allocate_slots(full_sequence_must_fit=True)` asks
+        `get_num_blocks_to_allocate(apply_admission_cap=True)`, which caps a sliding
+        window's blocks at `SlidingWindowSpec.max_admission_blocks_per_request`
+        (window - 1 + max_in_flight_tokens, in blocks, + 1). With a step in flight a
+        window's chunked prefill holds two chunks past it: a cap of one chunk admits a
+        request whose next chunk cannot get its blocks, which then preempts itself,
+        returns, and does it again."""
         blocks = self._full_blocks.get(tokens)
         if blocks is None:
-            blocks = self._full_blocks[tokens] = self.served.blocks_for_request(tokens)
+            blocks = self._full_blocks[tokens] = self.layout.blocks_for_request(
+                tokens, self.admission_in_flight)
         return blocks
 
     def _make_room(self, need: int, req: _Req) -> bool:
