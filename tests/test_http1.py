@@ -187,6 +187,21 @@ async def test_a_kept_alive_connection_the_server_closed_is_retried_once(
     assert script.connections == 2
 
 
+async def test_bytes_nothing_asked_for_retire_a_connection(
+        server: tuple[Script, Http1Pool]) -> None:
+    script, pool = server
+    script.answers.append(([ok(b"a"), b"HTTP/1.1 408 Request Timeout\r\n\r\n"], False))
+    script.answers.append(([ok(b"b")], False))
+    first = await pool.request("GET", "/x", [], None, 5.0)
+    assert first.take_received() == b"a"
+    first.close()
+    await asyncio.sleep(0.1)  # the stray answer arrives while the connection is idle
+    assert pool.counts() == {"active": 0, "idle": 0}
+    second = await pool.request("GET", "/x", [], None, 5.0)
+    assert await second.read() == b"b" and script.connections == 2
+    second.close()
+
+
 async def test_silence_is_a_timeout_before_and_after_the_head(
         server: tuple[Script, Http1Pool]) -> None:
     script, pool = server

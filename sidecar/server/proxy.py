@@ -232,7 +232,7 @@ async def forward(
         try:
             upstream = await client.forward(
                 request.method,
-                request.rel_url.path_qs,
+                request.rel_url.raw_path_qs,  # as the client encoded it
                 raw or None,
                 record.upstream_headers(_engine_pinned(
                     _forward_headers(request.headers, HOP_BY_HOP | STEERING), services,

@@ -130,9 +130,9 @@ class ServeSettings(BaseModel):
         "(checked against the server's /tokenize, whose answer they use), compare one "
         "local count in this many with the server's, in the background; 0: never")
     event_loop: Literal["auto", "uvloop", "asyncio"] = Field(
-        "auto", description="the event loop: uvloop (what vLLM runs on; about a tenth more "
-        "requests per CPU second in bench/overhead.py --canned), or asyncio's own; auto: "
-        "uvloop when installed")
+        "auto", description="the event loop: uvloop (what vLLM runs on; as fast as "
+        "asyncio's own or a little faster in bench/overhead.py --canned), or asyncio's "
+        "own; auto: uvloop when installed")
     connect_timeout_s: float = Field(5.0, gt=0, description="upstream connect timeout")
     upstream_keepalive_s: float = Field(
         4.0, gt=0, description="close connections to the server idle this long: keep it "

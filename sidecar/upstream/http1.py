@@ -96,6 +96,7 @@ class _Connection(asyncio.Protocol):
         self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.closed = False
+        self.idle = False  # in the pool, between exchanges
         self.idle_since = 0.0  # loop time it went back to the pool
         self._reset()
 
@@ -127,6 +128,12 @@ class _Connection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        if self.head is not None and self.body_done:
+            # Bytes after a complete answer, which nothing asked for: never reuse it.
+            self.keep_alive = False
+            if self.idle:
+                self.close()
+            return
         self.received_any = True
         try:
             if self.head is None:
@@ -429,7 +436,9 @@ class Http1Pool:
         fresh_after = asyncio.get_running_loop().time() - self.keepalive_s
         while self._idle:
             connection = self._idle.pop()  # the most recently used: least likely closed
-            if connection.closed:
+            connection.idle = False
+            if connection.closed or not connection.keep_alive:
+                connection.close()
                 continue
             if connection.idle_since < fresh_after:
                 connection.close()  # idle too long: the server may be closing it now
@@ -466,6 +475,7 @@ class Http1Pool:
             return
         loop = asyncio.get_running_loop()
         connection.idle_since = loop.time()
+        connection.idle = True
         self._idle.append(connection)
         if self._sweep is None:
             self._sweep = loop.call_later(self.keepalive_s, self._close_expired)
@@ -485,7 +495,8 @@ class Http1Pool:
     def forget(self, connection: _Connection) -> None:
         """A connection that closed: no longer in the pool."""
         self._active.discard(connection)
-        if connection in self._idle:
+        if connection.idle:
+            connection.idle = False
             self._idle.remove(connection)
 
     def counts(self) -> dict[str, int]:
