@@ -350,3 +350,36 @@ def test_the_same_on_uvloop() -> None:
         return bodies[0], bodies[1], connections
 
     assert uvloop.run(exchange()) == (b"hello", b"hello", 1)
+
+
+@pytest.mark.parametrize("answer", [
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-3\r\nabcdefgh\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x3\r\nabc\r\n0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nContent-Length: \xc2\xb2\r\n\r\nab",
+    b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
+    b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+    b"HTTP/1.1 2\xc2\xb200 OK\r\nContent-Length: 0\r\n\r\n",
+])
+async def test_framing_a_smuggler_could_use_is_refused(
+        server: tuple[Script, Http1Pool], answer: bytes) -> None:
+    script, pool = server
+    script.answers.append(([answer], False))
+
+    async def exchange() -> bytes:
+        response = await pool.request("GET", "/x", [], None, 2.0)
+        try:
+            return await response.read()
+        finally:
+            response.close()
+
+    with pytest.raises(UpstreamProtocolError):
+        await asyncio.wait_for(exchange(), 5.0)  # never a loop that spins
+    assert pool.counts() == {"active": 0, "idle": 0}
+
+
+async def test_a_repeated_equal_length_is_one_length(server: tuple[Script, Http1Pool]) -> None:
+    script, pool = server
+    script.answers.append(([b"HTTP/1.1 200 OK\r\nContent-Length: 3, 3\r\n\r\nabc"], False))
+    response = await pool.request("GET", "/x", [], None, 2.0)
+    assert await response.read() == b"abc"
+    response.close()

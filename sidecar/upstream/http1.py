@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import re
 import ssl
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -38,6 +39,9 @@ LOW_WATER_BYTES = 64 * 1024
 # A response head longer than this is not an answer kvgate can use.
 MAX_HEAD_BYTES = 64 * 1024
 NO_BODY_STATUSES = frozenset({204, 304})
+_DIGITS = re.compile(r"[0-9]{3}")  # a status code (str.isdigit also takes "²")
+_LENGTH = re.compile(r"[0-9]{1,18}")
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
 
 class ForwardError(Exception):
@@ -147,7 +151,9 @@ class _Connection(asyncio.Protocol):
         except UpstreamProtocolError as exc:
             self._fail(exc)
             self.close()
-            return
+        except Exception as exc:  # whatever the bytes were: an answer that failed
+            self._fail(UpstreamProtocolError(f"unreadable answer: {exc!r}"[:200]))
+            self.close()
         self._wake()
 
     def eof_received(self) -> bool | None:
@@ -185,7 +191,7 @@ class _Connection(asyncio.Protocol):
             del self._buffer[:end + 4]
             version, _, rest = lines[0].partition(" ")
             code, _, reason = rest.partition(" ")
-            if not version.startswith("HTTP/1.") or len(code) != 3 or not code.isdigit():
+            if not version.startswith("HTTP/1.") or not _DIGITS.fullmatch(code):
                 raise UpstreamProtocolError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
             status = int(code)
             if 100 <= status < 200:
@@ -210,10 +216,13 @@ class _Connection(asyncio.Protocol):
         if "chunked" in headers.get("Transfer-Encoding", "").lower():
             self._framing = "chunked"
             return
-        length = headers.get("Content-Length")
-        if length is not None:
-            if not length.strip().isdigit():
+        lengths = headers.getall("Content-Length", [])
+        if lengths:
+            length = ",".join(lengths)
+            values = {value.strip() for value in length.split(",")}  # "3, 3" is one length
+            if len(values) != 1 or not _LENGTH.fullmatch(next(iter(values))):
                 raise UpstreamProtocolError(f"bad Content-Length: {length[:40]!r}")
+            length = next(iter(values))
             self._framing, self._left = "length", int(length)
             self.body_done = self._left == 0
             return
@@ -249,10 +258,9 @@ class _Connection(asyncio.Protocol):
                     return
                 size_text = bytes(buffer[:end]).split(b";", 1)[0].strip()
                 del buffer[:end + 2]
-                try:
-                    self._left = int(size_text, 16)
-                except ValueError:
-                    raise UpstreamProtocolError(f"bad chunk size {size_text[:20]!r}") from None
+                if not _CHUNK_SIZE.fullmatch(size_text):  # hex digits only: no sign, no 0x
+                    raise UpstreamProtocolError(f"bad chunk size {size_text[:20]!r}")
+                self._left = int(size_text, 16)
                 self._chunk_state = "data" if self._left else "trailer"
             elif self._chunk_state == "data":
                 piece = bytes(buffer[:self._left])
