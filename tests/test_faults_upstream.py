@@ -9,12 +9,14 @@ fault injector in front of the real server (not a fake server)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from support.access import access_log_checked  # noqa: F401 (autouse: every request logged once)
 from support.env import free_port, model_dir, vllm_python
@@ -294,3 +296,48 @@ async def test_vllm_killed_mid_stream_and_back_with_other_capacity_then_other_mo
         server.stop()
         if qwen is not None:
             qwen.stop()
+
+
+async def test_a_chunked_answer_cut_short_reaches_the_client_broken() -> None:
+    """An answer without a length (chunked) that the server cuts: the client must not
+    get the last chunk kvgate's server would otherwise add, which would pass the cut
+    body as whole."""
+    async def cut(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(b'{"data": "the first half of an ans')
+        await asyncio.sleep(0.1)
+        assert request.transport is not None
+        request.transport.abort()
+        return response
+
+    app = web.Application()
+    app.router.add_get("/v1/export", cut)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    sidecar = Sidecar(f"http://127.0.0.1:{port}").start(wait_ready=False)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await until_async(session, sidecar.url + "/healthz")
+            async with session.get(sidecar.url + "/v1/export") as response:
+                assert response.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await response.read()
+    finally:
+        sidecar.stop()
+        await runner.cleanup()
+
+
+async def until_async(session: aiohttp.ClientSession, url: str, timeout_s: float = 30.0) -> None:
+    """Until `url` answers 200, without blocking the loop the test's upstream runs on."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(aiohttp.ClientError):
+            async with session.get(url) as response:
+                if response.status == 200:
+                    return
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"{url} did not answer within {timeout_s} s")

@@ -10,6 +10,8 @@ proxy answers differently.
 from __future__ import annotations
 
 import asyncio
+import socket
+import struct
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
@@ -383,3 +385,81 @@ async def test_a_repeated_equal_length_is_one_length(server: tuple[Script, Http1
     response = await pool.request("GET", "/x", [], None, 2.0)
     assert await response.read() == b"abc"
     response.close()
+
+
+async def test_a_post_the_server_may_have_read_is_never_sent_twice(
+        server: tuple[Script, Http1Pool]) -> None:
+    script, pool = server
+    script.answers.append(([ok(b"first")], False))
+    script.answers.append(([], True))  # reads the next request, then closes unanswered
+    first = await pool.request("GET", "/x", [], None, 5.0)
+    assert await first.read() == b"first"
+    first.close()
+    with pytest.raises(UpstreamUnavailable):
+        await pool.request("POST", "/v1/completions", [], b"{}", 5.0)
+    assert len(script.requests) == 2 and script.connections == 1  # sent once
+
+
+async def test_a_get_in_the_same_case_is_sent_again(server: tuple[Script, Http1Pool]) -> None:
+    script, pool = server
+    script.answers.append(([ok(b"first")], False))
+    script.answers.append(([], True))
+    script.answers.append(([ok(b"again")], False))
+    first = await pool.request("GET", "/x", [], None, 5.0)
+    assert await first.read() == b"first"
+    first.close()
+    second = await pool.request("GET", "/x", [], None, 5.0)
+    assert await second.read() == b"again" and script.connections == 2
+    second.close()
+
+
+async def test_a_server_that_closes_each_connection_at_once_is_unavailable_at_once() -> None:
+    async def slam(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.close()
+
+    listener = await asyncio.start_server(slam, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    pool = Http1Pool(f"http://127.0.0.1:{port}", connect_timeout_s=1.0, keepalive_s=5.0)
+    started = asyncio.get_running_loop().time()
+    for _ in range(3):
+        with pytest.raises(UpstreamUnavailable):
+            await pool.request("POST", "/x", [], b"{}", 30.0)
+    assert asyncio.get_running_loop().time() - started < 10.0  # not the read timeout
+    assert pool.counts() == {"active": 0, "idle": 0}
+    listener.close()
+
+
+async def test_a_body_until_close_cut_by_a_reset_is_broken() -> None:
+    async def reset(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await _read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\n\r\npart of")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.transport.abort()  # RST, not FIN
+
+    listener = await asyncio.start_server(reset, "127.0.0.1", 0)
+    port = listener.sockets[0].getsockname()[1]
+    pool = Http1Pool(f"http://127.0.0.1:{port}", connect_timeout_s=1.0, keepalive_s=5.0)
+    response = await pool.request("GET", "/x", [], None, 5.0)
+    assert await response.read_chunk() == b"part of"
+    with pytest.raises(UpstreamBroke):
+        await response.read_chunk()
+    response.close()
+    listener.close()
+
+
+async def test_framing_headers_are_kvgates_and_reasons_are_printable(
+        server: tuple[Script, Http1Pool]) -> None:
+    script, pool = server
+    script.answers.append(([b"HTTP/1.1 200 O\x01K\r\nX-Caf\xc3\xa9: \xc3\xa9t\xc3\xa9\r\n"
+                            b"Content-Length: 0\r\n\r\n"], False))
+    response = await pool.request(
+        "POST", "/x", [("Content-Length", "99"), ("Transfer-Encoding", "chunked"),
+                       ("Host", "evil"), ("X-A", "1")], b"{}", 5.0)
+    assert response.reason == "OK" and response.headers["X-Café"] == "été"
+    response.close()
+    sent = script.requests[0]
+    assert b"evil" not in sent and b"chunked" not in sent and b"Content-Length: 2\r\n" in sent
+    assert sent.count(b"Content-Length") == 1 and b"X-A: 1\r\n" in sent

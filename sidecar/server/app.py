@@ -119,13 +119,15 @@ async def _upstream_context(app: web.Application) -> AsyncIterator[None]:
         await services.start_kv_events()
         task = asyncio.create_task(watcher.run(), name="kvgate-upstream-watcher")
         app[WATCHER_TASK] = task
-        yield
-        await services.stop_kv_events()
-        await services.prompts.aclose()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await pool.close()
+        try:
+            yield
+            await services.stop_kv_events()
+            await services.prompts.aclose()
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        finally:
+            await pool.close()
 
 
 async def serve(settings: ServeSettings, *, stop: asyncio.Event | None = None) -> int:

@@ -342,8 +342,11 @@ async def _relay_response(request: web.Request, upstream: ForwardResponse,
         if events is not None:
             await response.write(events.error_event(b"data: " + BROKEN_EVENT + b"\n\n"))
         else:
-            # A body shorter than announced: only closing the connection says so.
+            # A body cut short: only closing the connection says so, before the end of
+            # the answer is written (a chunked answer's last chunk would pass it as whole).
             response.force_close()
+            if request.transport is not None:
+                request.transport.close()  # what was written is still sent first
         return response
     if events is not None and (rest := events.flush()):
         await response.write(rest)

@@ -13,10 +13,11 @@ Failures are typed so the proxy can answer each the way it should:
 with an error), `UpstreamProtocolError` (an answer that is not HTTP/1.x: 502), and
 `UpstreamBroke` (the body ended early: the stream is ended with an error).
 
-A kept-alive connection the server closed while idle is noticed when the request on it
-gets no byte back: the request is then sent once more on a new connection (the server
-never read it). Idle connections are closed after `keepalive_s`, before the server's
-own idle timeout can race a request (uvicorn's default is 5 s).
+A kept-alive connection the server closed while idle is skipped when that is known
+before the request goes out. When it is noticed only after (no byte back), the request
+is sent once more on a new connection only if its method is idempotent: the server may
+have read a POST and started on it. Idle connections are closed after `keepalive_s`,
+before the server's own idle timeout can race a request (uvicorn's default is 5 s).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ LOW_WATER_BYTES = 64 * 1024
 # A response head longer than this is not an answer kvgate can use.
 MAX_HEAD_BYTES = 64 * 1024
 NO_BODY_STATUSES = frozenset({204, 304})
+IDEMPOTENT_METHODS = frozenset({"GET", "HEAD", "OPTIONS", "PUT", "DELETE", "TRACE"})
+# Framing is kvgate's to write: a caller's own would let the server frame it otherwise.
+_OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 _DIGITS = re.compile(r"[0-9]{3}")  # a status code (str.isdigit also takes "²")
 _LENGTH = re.compile(r"[0-9]{1,18}")
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
@@ -162,7 +166,8 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.forget(self)
-        if self.head is not None and self._framing == "close" and not self.body_done:
+        if (self.head is not None and self._framing == "close" and not self.body_done
+                and exc is None):
             self.body_done = True  # a body delimited by the end of the connection
             self.keep_alive = False
         elif self.head is None:
@@ -187,7 +192,8 @@ class _Connection(asyncio.Protocol):
                 if len(self._buffer) > MAX_HEAD_BYTES:
                     raise UpstreamProtocolError("response head too large")
                 return False
-            lines = bytes(self._buffer[:end]).decode("latin-1").split("\r\n")
+            # As aiohttp decodes headers: its server writes them back byte for byte.
+            lines = bytes(self._buffer[:end]).decode("utf-8", "surrogateescape").split("\r\n")
             del self._buffer[:end + 4]
             version, _, rest = lines[0].partition(" ")
             code, _, reason = rest.partition(" ")
@@ -202,8 +208,9 @@ class _Connection(asyncio.Protocol):
                 if not sep or not name or name != name.strip():
                     raise UpstreamProtocolError(f"malformed header line: {line[:80]!r}")
                 headers.add(name, value.strip())
-            self.head = (status, reason, headers)
-            self._framing_of(status, version, headers)
+            self._framing_of(status, version, headers)  # raises before a head is given out
+            # A reason phrase is shown, never trusted: no control characters.
+            self.head = (status, "".join(c for c in reason if c.isprintable()), headers)
             return True
 
     def _framing_of(self, status: int, version: str, headers: CIMultiDict[str]) -> None:
@@ -473,6 +480,9 @@ class Http1Pool:
         except OSError as exc:
             raise UpstreamUnavailable(
                 f"cannot connect to {origin.host}:{origin.port}: {exc}") from exc
+        if protocol.closed:  # accepted and closed at once (a proxy whose backend is down)
+            raise UpstreamUnavailable(
+                f"{origin.host}:{origin.port} closed the connection as it opened")
         self._active.add(protocol)
         return protocol
 
@@ -528,6 +538,8 @@ class Http1Pool:
         for name, value in headers:
             if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
                 continue  # never forward a header that would split the request
+            if name.lower() in _OWN_HEADERS:
+                continue
             lines.append(f"{name}: {value}")
         if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
             lines.append(f"Content-Length: {len(body) if body else 0}")
@@ -543,20 +555,31 @@ class Http1Pool:
         head_only = method == "HEAD"
         for attempt in range(2):
             connection, reused = await self._acquire()
+            transport = connection.transport
+            if transport is None or connection.closed or transport.is_closing():
+                connection.close()  # closed by the server since: never written to
+                if reused:
+                    continue
+                raise UpstreamUnavailable("the server closed the connection as it opened")
             connection.begin(head_only)
-            assert connection.transport is not None
             try:
-                connection.transport.write(data)
+                try:
+                    transport.write(data)
+                except (RuntimeError, OSError) as exc:  # uvloop: a transport closing now
+                    raise UpstreamUnavailable(f"cannot send: {exc}") from exc
                 while connection.head is None:
                     connection.raise_error()
                     await connection.wait(read_timeout_s)
             except UpstreamUnavailable:
                 connection.close()
-                if reused and attempt == 0 and not connection.received_any:
-                    continue  # the server had closed the idle connection: send again
+                # A kept-alive connection the server closed as the request went out: sent
+                # again only when that cannot repeat work (the server may have read it).
+                if (reused and attempt == 0 and not connection.received_any
+                        and method in IDEMPOTENT_METHODS):
+                    continue
                 raise
             except BaseException:
                 connection.close()
                 raise
             return ForwardResponse(connection, self, read_timeout_s)
-        raise AssertionError("unreachable")  # pragma: no cover
+        raise UpstreamUnavailable("no open connection to the server")
