@@ -142,3 +142,18 @@ async def test_bad_input_gets_clear_errors_and_kvgate_keeps_serving(sidecar: Sid
         async with session.get(url + "/v1/models") as response:
             assert response.status == 200
             assert (await response.json())["data"][0]["id"] == "tiny-llama"
+
+
+def test_the_plan_route_answers_under_load_from_the_engine_simulator(sidecar: Sidecar) -> None:
+    """GET /kvgate/v1/plan gives what `kvgate plan --json` gives for the served model:
+    latency at the asked concurrency and the recommendation from the simulator."""
+    status, body = sidecar.get("/kvgate/v1/plan?prompt_tokens=256&output_tokens=32"
+                               "&concurrency=8&arrival_rate=2", timeout=60)
+    assert status == 200, body
+    plan = json.loads(body)
+    assert plan["latency_source"] == "simulator"
+    assert plan["recommendation"]["source"] == "simulator"
+    assert plan["recommendation"]["max_num_seqs"] >= 1
+    # Eight clients wait for each other: the simulated TTFT is above one request's alone.
+    assert plan["ttft_s"] > plan["closed_form"]["ttft_s"] > 0
+    assert plan["throughput_requests_per_s"] > 0

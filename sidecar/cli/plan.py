@@ -23,8 +23,7 @@ from sidecar.model import (
 )
 from sidecar.model.planning import DEFAULT_KV_MARGIN
 from sidecar.model.simulator import simulate_plan
-from sidecar.model.simulator_plan import PlanSimulator
-from sidecar.model.summary import PlanInput, compute_plan
+from sidecar.model.summary import PlanInput, compute_plan, plan_under_load
 from sidecar.model.units import GIB
 
 DESCRIPTION = """\
@@ -267,48 +266,6 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
-def apply_simulator(result: dict[str, Any], inputs: PlanInput) -> None:
-    """Latency at --concurrency and the recommendation from the engine simulator
-    (`model.simulator_plan`), the closed form kept under `closed_form`. Without a GPU
-    or a KV cache size the closed form stays (`latency_source`)."""
-    served = inputs.served
-    result["latency_source"] = None if result["ttft_s"] is None else "closed-form"
-    result["closed_form"] = {key: result[key] for key in ("ttft_s", "tpot_s", "e2e_s")}
-    if served.roofline is None or served.capacity is None or not result["fits"]:
-        return
-    simulator = PlanSimulator(served, inputs.prompt_tokens, inputs.output_tokens,
-                              inputs.shared_prefix_tokens if inputs.prefix_cache else 0)
-    try:
-        point = simulator.closed_loop(inputs.concurrency)
-        rec = simulator.recommend(inputs.arrival_rate, inputs.ttft_slo_s, inputs.tpot_slo_s,
-                                  inputs.kv_margin)
-    except ModelError as exc:
-        _note(f"{exc}; latency from the closed form")
-        return
-    result.update({
-        "latency_source": "simulator",
-        "ttft_s": point.ttft_p50_s, "ttft_p90_s": point.ttft_p90_s,
-        "tpot_s": point.tpot_p50_s, "tpot_p90_s": point.tpot_p90_s,
-        "e2e_s": point.e2e_mean_s,
-        "throughput_requests_per_s": point.throughput_per_s,
-    })
-    result["recommendation"].update({
-        "source": "simulator",
-        "max_num_seqs": rec.max_num_seqs,
-        "limited_by": rec.limited_by,
-        "concurrency_needed": rec.concurrency_needed,
-        "replicas": rec.replicas,
-        "ttft_s_at_max": rec.at_max.ttft_p50_s,
-        "tpot_s_at_max": rec.at_max.tpot_p50_s,
-        "ttft_p90_s_at_max": rec.at_max.ttft_p90_s,
-        "tpot_p90_s_at_max": rec.at_max.tpot_p90_s,
-        "throughput_per_replica_per_s": rec.at_max.throughput_per_s,
-        "targets_met": rec.targets_met,
-        "per_replica_open_loop": None if rec.per_replica is None else
-        rec.per_replica.as_dict(),
-    })
-
-
 def _simulated(inputs: PlanInput) -> dict[str, Any] | None:
     served = inputs.served
     if served.roofline is None or served.capacity is None:
@@ -385,7 +342,9 @@ def run(argv: Sequence[str], prog: str = "kvgate plan") -> int:
     try:
         inputs = plan_input(args)
         result = compute_plan(inputs)
-        apply_simulator(result, inputs)
+        fallback = plan_under_load(result, inputs)
+        if fallback is not None:
+            _note(f"{fallback}; latency from the closed form")
         if args.simulate:
             result["simulated"] = _simulated(inputs)
     except ModelError as exc:

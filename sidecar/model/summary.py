@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from sidecar.model.errors import ModelError
 from sidecar.model.planning import (
     ChainCall,
     chain,
@@ -15,6 +16,7 @@ from sidecar.model.planning import (
     steady_latency,
 )
 from sidecar.model.served import ServedModel
+from sidecar.model.simulator_plan import PlanSimulator
 
 
 @dataclass(frozen=True)
@@ -157,3 +159,47 @@ def shared_prefix_summary(served: ServedModel, plan: PlanInput,
         "kv_blocks_saved_at_concurrency": (concurrency - 1) * shared,
         "max_concurrency_without_sharing": without,
     }
+
+
+def plan_under_load(result: dict[str, Any], inputs: PlanInput) -> str | None:
+    """Latency at the plan's concurrency and the recommendation from the engine simulator
+    (`model.simulator_plan`), into `compute_plan`'s result, the closed form kept under
+    `closed_form`. Without a GPU or a KV cache size the closed form stays
+    (`latency_source`); when the simulator cannot run the workload, the reason is
+    returned and the closed form stays."""
+    served = inputs.served
+    result["latency_source"] = None if result["ttft_s"] is None else "closed-form"
+    result["closed_form"] = {key: result[key] for key in ("ttft_s", "tpot_s", "e2e_s")}
+    if served.roofline is None or served.capacity is None or not result["fits"]:
+        return None
+    simulator = PlanSimulator(served, inputs.prompt_tokens, inputs.output_tokens,
+                              inputs.shared_prefix_tokens if inputs.prefix_cache else 0)
+    try:
+        point = simulator.closed_loop(inputs.concurrency)
+        rec = simulator.recommend(inputs.arrival_rate, inputs.ttft_slo_s, inputs.tpot_slo_s,
+                                  inputs.kv_margin)
+    except ModelError as exc:
+        return str(exc)
+    result.update({
+        "latency_source": "simulator",
+        "ttft_s": point.ttft_p50_s, "ttft_p90_s": point.ttft_p90_s,
+        "tpot_s": point.tpot_p50_s, "tpot_p90_s": point.tpot_p90_s,
+        "e2e_s": point.e2e_mean_s,
+        "throughput_requests_per_s": point.throughput_per_s,
+    })
+    result["recommendation"].update({
+        "source": "simulator",
+        "max_num_seqs": rec.max_num_seqs,
+        "limited_by": rec.limited_by,
+        "concurrency_needed": rec.concurrency_needed,
+        "replicas": rec.replicas,
+        "ttft_s_at_max": rec.at_max.ttft_p50_s,
+        "tpot_s_at_max": rec.at_max.tpot_p50_s,
+        "ttft_p90_s_at_max": rec.at_max.ttft_p90_s,
+        "tpot_p90_s_at_max": rec.at_max.tpot_p90_s,
+        "throughput_per_replica_per_s": rec.at_max.throughput_per_s,
+        "targets_met": rec.targets_met,
+        "per_replica_open_loop": None if rec.per_replica is None else
+        rec.per_replica.as_dict(),
+    })
+    return None
