@@ -1,8 +1,9 @@
 """The proxy: generation routes through admission, everything else untouched.
 
 A generation request is read (bounded by --max-body-bytes), validated, its prompt
-counted by the server's own /tokenize (or the documented fallback), admitted or
-rejected by the controller, and then streamed upstream and back chunk by chunk.
+counted (the model's tokenizer, checked against the server's /tokenize; or the
+documented fallback), admitted or rejected by the controller, and then sent upstream
+on the forwarding pool (upstream/http1.py) and streamed back chunk by chunk.
 The KV reservation is released in `finally`, whatever happens: success, upstream
 failure, or the client going away (aiohttp cancels the handler, which closes the
 upstream connection so vLLM aborts the request).
