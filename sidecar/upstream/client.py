@@ -141,8 +141,15 @@ class UpstreamClient:
         return await self.forwarding.request(method, path_qs, headers, body, read_timeout_s)
 
     def connections(self) -> dict[str, int]:
-        """Connections for forwarded requests: in use and idle in the pool."""
-        return self.forwarding.counts()
+        """Connections to the server, in use and idle: the forwarding pool's and those
+        of kvgate's own questions (token ids, metrics, models) together."""
+        forwarding = self.forwarding.counts()
+        connector = self.session.connector
+        # aiohttp keeps no public count: its pool's in-use set and idle lists.
+        acquired = getattr(connector, "_acquired", ())
+        idle = getattr(connector, "_conns", {})
+        return {"active": forwarding["active"] + len(acquired),
+                "idle": forwarding["idle"] + sum(len(c) for c in idle.values())}
 
     async def version(self) -> str | None:
         """The server's version (vLLM's GET /version), or None if it does not say."""
