@@ -136,8 +136,11 @@ async def test_metrics_failing_or_hanging_means_model_only_decisions(
     assert state["admission"]["server"]["used_blocks"] is not None
     for fault in (Fault(path="/metrics", status=500), Fault(path="/metrics", hang=True)):
         proxy.set_faults(fault)
-        await until(lambda: gated.metric("kvgate_upstream_metrics_age_seconds") > STALE_S + 0.5,
-                   30, f"metrics stale with {fault.label()}")
+        # Stale, and the failure seen: a hanging scrape fails only at its timeout, which
+        # can come just after the age crosses the line.
+        await until(lambda: gated.metric("kvgate_upstream_metrics_age_seconds") > STALE_S + 0.5
+                    and gated.state()["upstream"]["last_error"] is not None,
+                    30, f"metrics stale with {fault.label()}")
         state = gated.state()
         # The server still answers: kvgate stays up and ready, and decides from its
         # model alone (no observed KV use), which the metrics show.
