@@ -56,19 +56,22 @@ def block_keys(token_ids: Sequence[int], block_size: int, salt: bytes = b"") -> 
         raise ValueError("block size must be >= 1")
     keys: list[bytes] = []
     parent = salt or ROOT_KEY
-    # chain_key's bytes for every block at once (one conversion, not one per block).
+    # Every block's bytes from one conversion of the ids, not one per block.
     data = array("q", token_ids).tobytes()
     step = block_size * _TOKEN_BYTES
-    blake2b = hashlib.blake2b
     for start in range(0, len(data) - step + 1, step):
-        parent = blake2b(parent + data[start:start + step], digest_size=_KEY_BYTES).digest()
+        parent = _chained(parent, data[start:start + step])
         keys.append(parent)
     return tuple(keys)
 
 
 def chain_key(parent: bytes, tokens: Sequence[int]) -> bytes:
-    data = array("q", tokens).tobytes()
-    return hashlib.blake2b(parent + data, digest_size=_KEY_BYTES).digest()
+    return _chained(parent, array("q", tokens).tobytes())
+
+
+def _chained(parent: bytes, block: bytes) -> bytes:
+    """A block's key: its parent's key and its token ids' bytes."""
+    return hashlib.blake2b(parent + block, digest_size=_KEY_BYTES).digest()
 
 
 class ServerCache(Protocol):

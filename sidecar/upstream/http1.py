@@ -160,9 +160,6 @@ class _Connection(asyncio.Protocol):
             self.close()
         self._wake()
 
-    def eof_received(self) -> bool | None:
-        return None  # close the transport; connection_lost settles the exchange
-
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.forget(self)
@@ -177,12 +174,6 @@ class _Connection(asyncio.Protocol):
             self._fail(UpstreamBroke(f"the server closed the connection mid-body "
                                      f"({exc or 'EOF'})"))
         self._wake()
-
-    def pause_writing(self) -> None:  # request bodies are bounded: the transport buffers
-        pass
-
-    def resume_writing(self) -> None:
-        pass
 
     # -- parsing --------------------------------------------------------------------
     def _parse_head(self) -> bool:
