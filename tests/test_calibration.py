@@ -10,6 +10,7 @@ import json
 import math
 import random
 import statistics
+from collections.abc import Hashable
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,7 +25,7 @@ from sidecar.admission import (
     Rejected,
     ServerState,
 )
-from sidecar.admission.cost import LatencySpread
+from sidecar.admission.cost import LatencySpread, ModelInputs
 from sidecar.calibration import (
     CalibrationFileError,
     CalibrationStore,
@@ -33,6 +34,7 @@ from sidecar.calibration import (
     Spread,
     health,
     read_calibration,
+    warning_kind,
 )
 from sidecar.model import Efficiency, ServedModel, custom_gpu, parse_config
 from sidecar.upstream import UpstreamView
@@ -255,6 +257,73 @@ def test_spread_keeps_loads_apart() -> None:
     assert alone.load_bucket == 0 and crowded.load_bucket == 3
     assert crowded.prefill_s == pytest.approx(2.0 * crowded.prefill_model_s)
     assert alone.prefill_s == pytest.approx(alone.prefill_model_s)
+
+
+def test_a_cost_prices_the_same_request_again_from_its_inputs() -> None:
+    """What the spread re-prices with: the model's own times of a request, from the
+    inputs its cost kept, equal the cost's; another model prices them its own way."""
+    model = CostModel(on(CPU, TRUTH), LatencySpread.uniform(2.0, 3.0, 1.5, 2.0))
+    cost = model.cost(700, 40, running=2, mean_context=900, slowdown=1.4, cached_tokens=256)
+    assert cost.model_inputs is not None
+    assert model.model_s("ttft", cost.model_inputs) == pytest.approx(cost.prefill_model_s)
+    assert model.model_s("tpot", cost.model_inputs) == pytest.approx(cost.tpot_model_s)
+    slower = CostModel(on(PRIORS["cpu /10"], TRUTH))
+    assert slower.model_s("ttft", cost.model_inputs) > 2 * cost.prefill_model_s
+
+
+def test_spread_rebased_on_a_new_model_keeps_no_ratio_to_the_old_one() -> None:
+    """A fit converging from a device 10x too slow: the requests' ratios to the prior
+    would scale the new model's predictions down by as much as the prior was off;
+    taken again against the new model they say what it leaves, about 1.3 (here: the
+    server's noise and a bias the fit does not see)."""
+    rng = random.Random(3)
+    truth = on(CPU, TRUTH)
+    prior = CostModel(on(PRIORS["cpu /10"]))
+    fitted = CostModel(truth)
+    spread = Spread()
+    kept = Spread()  # the same ratios without their inputs: never re-priced
+    for _ in range(40):
+        prompt, running, context = request(rng)
+        cost = prior.cost(prompt, 30, running=running, mean_context=context)
+        assert cost.model_inputs is not None
+        for quantity, predicted in (("ttft", cost.prefill_model_s), ("tpot", cost.tpot_model_s)):
+            observed = fitted.model_s(quantity, cost.model_inputs) * 1.3 * rng.lognormvariate(
+                0, 0.05)
+            spread.observe(quantity, observed, predicted, cost.load_bucket, cost.model_inputs)
+            kept.observe(quantity, observed, predicted, cost.load_bucket)
+    for quantity in ("ttft", "tpot"):  # ratios to the prior: far from what the fit leaves
+        assert abs(math.log(spread.factors(quantity).p50 / 1.3)) > math.log(1.5)
+
+    def reprice(quantity: str, inputs: Hashable) -> float | None:
+        return fitted.model_s(quantity, inputs) if isinstance(inputs, ModelInputs) else None
+
+    spread.rebase(reprice)
+    kept.rebase(reprice)
+    for quantity in ("ttft", "tpot"):
+        assert spread.factors(quantity).p50 == pytest.approx(1.3, rel=0.05)
+        assert spread.factors(quantity).p90 == pytest.approx(1.3, rel=0.15)
+        for bucket in range(4):
+            assert spread.factors(quantity, bucket).p50 == pytest.approx(1.3, rel=0.05)
+        # No inputs: nothing to re-price.
+        assert abs(math.log(kept.factors(quantity).p50 / 1.3)) > math.log(1.5)
+    # A predictor that cannot say leaves a ratio as it was.
+    spread.rebase(lambda quantity, inputs: None)
+    assert spread.factors("ttft").p50 == pytest.approx(1.3, rel=0.05)
+
+
+def test_a_health_warning_is_the_same_kind_whatever_its_figures() -> None:
+    """The log says each kind of warning once: a fit that moves from 3.8x to 2.9x the
+    compute peak is the same warning, the bandwidth peak another one."""
+    served = on(CPU)
+    kinds = set()
+    for scale in (0.2, 0.3):
+        fast = served.with_efficiency(replace(TRUTH, compute=1 / scale, bandwidth=2 / scale))
+        found = health(fast, 100)
+        assert found is not None and len(found.warnings) == 2
+        kinds.add(tuple(warning_kind(w) for w in found.warnings))
+    assert len(kinds) == 1
+    (compute, bandwidth), = kinds
+    assert compute != bandwidth and "compute" in compute and "bandwidth" in bandwidth
 
 
 def test_health_warns_of_a_device_that_is_not_the_one_named() -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from sidecar.model import ServedModel
 from sidecar.model.latency import LOAD_BUCKETS, PRIOR_P90_RATIO, load_bucket
@@ -51,6 +51,20 @@ class LatencySpread:
                              _each(tpot_p90))
 
 
+class ModelInputs(NamedTuple):
+    """What the model's own TTFT and TPOT of one request were computed from: enough to
+    price the same request again with another model (`CostModel.model_s`), as
+    calibration's spread does when the fit moves."""
+
+    prefilled_tokens: int
+    cached_tokens: int
+    running: int
+    mean_context: int
+    batch: int  # the decode batch it joins, itself included
+    context_tokens: int  # the decode's mean context
+    slowdown: float  # the others' prefill load at admission (see `load.PrefillLoad`)
+
+
 @dataclass(frozen=True)
 class RequestCost:
     prompt_tokens: int
@@ -72,6 +86,7 @@ class RequestCost:
     tpot_p90_s: float = 0.0
     deadline_prefill_s: float = 0.0  # the prefill deadlines are judged on (p50 or p90)
     load_bucket: int = 0  # of the requests running at admission (model.latency)
+    model_inputs: ModelInputs | None = None  # what the model's own times came from
 
     @property
     def total_tokens(self) -> int:
@@ -147,13 +162,14 @@ class CostModel:
         the prompt are prefix-cache hits the server does not prefill again."""
         total = prompt_tokens + output_tokens
         cached = max(0, min(cached_tokens, prompt_tokens - 1))
-        prefill = self.prefill_s(prompt_tokens - cached, running, mean_context, cached)
+        inputs = ModelInputs(prompt_tokens - cached, cached, running, mean_context,
+                             running + sequences, mean_context or total, slowdown)
+        prefill, tpot = self._model_s(inputs)
         peak = self.peak_blocks(prompt_tokens, output_tokens, sequences)
         worst_output = max(output_tokens, self.max_model_len - prompt_tokens)
         shared = min(shared_blocks, peak)
         spread, bucket = self.spread, load_bucket(running)
-        prefill_model = prefill * slowdown
-        tpot_model = self.tpot_s(running + sequences, mean_context or total) * slowdown
+        prefill_model, tpot_model = prefill * slowdown, tpot * slowdown
         prefill_p50 = prefill_model * spread.ttft_p50[bucket]
         prefill_p90 = prefill_model * spread.ttft_p90[bucket]
         return RequestCost(
@@ -174,7 +190,19 @@ class CostModel:
             tpot_p90_s=tpot_model * spread.tpot_p90[bucket],
             deadline_prefill_s=prefill_p90 if self.deadline_quantile == "p90" else prefill_p50,
             load_bucket=bucket,
+            model_inputs=inputs,
         )
+
+    def model_s(self, quantity: str, inputs: ModelInputs) -> float:
+        """This model's own (p50 before the spread) TTFT ("ttft": the prefill) or TPOT
+        ("tpot") of a request priced from `inputs`, the others' load included."""
+        prefill, tpot = self._model_s(inputs)
+        return (prefill if quantity == "ttft" else tpot) * inputs.slowdown
+
+    def _model_s(self, inputs: ModelInputs) -> tuple[float, float]:
+        return (self.prefill_s(inputs.prefilled_tokens, inputs.running, inputs.mean_context,
+                               inputs.cached_tokens),
+                self.tpot_s(inputs.batch, inputs.context_tokens))
 
     def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int) -> int:
         """The largest max_tokens whose reservation fits in `blocks` and max_model_len."""

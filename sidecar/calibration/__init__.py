@@ -3,7 +3,7 @@ of observed times around its predictions (p50 and p90)."""
 
 from sidecar.calibration.calibrator import Calibrator
 from sidecar.calibration.fit import RobustFit
-from sidecar.calibration.health import Health, health
+from sidecar.calibration.health import Health, health, warning_kind
 from sidecar.calibration.spread import Factors, Spread
 from sidecar.calibration.store import (
     CalibrationFileError,
@@ -13,4 +13,5 @@ from sidecar.calibration.store import (
 )
 
 __all__ = ["CalibrationFileError", "CalibrationStore", "Calibrator", "Factors", "Health",
-           "RobustFit", "SavedCalibration", "Spread", "health", "read_calibration"]
+           "RobustFit", "SavedCalibration", "Spread", "health", "read_calibration",
+           "warning_kind"]

@@ -16,6 +16,7 @@ device kvgate was told about (`--gpu`, the custom figures, or the generic device
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from sidecar.model import DEFAULT_EFFICIENCY, ServedModel
@@ -43,6 +44,12 @@ class Health:
                                    "decode": self.decode_slowdown},
             "warnings": list(self.warnings),
         }
+
+
+def warning_kind(warning: str) -> str:
+    """A warning without its figures: what it is about, the same however far the fit
+    moves (so that a log says it once)."""
+    return re.sub(r"\d+(?:\.\d+)?x", "Nx", warning)
 
 
 def health(fitted: ServedModel, observations: int, *, device_named: bool = True

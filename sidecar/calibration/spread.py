@@ -20,13 +20,19 @@ requests land under the p90 while the server behaves as in the window.
   others grows with them in a way the model prices only on average; a bucket with
   fewer than `min_samples` ratios uses all buckets' together;
 - before `min_samples` ratios: p50 x1 and the prior p90 factor (`PRIOR_P90_RATIO`: the
-  model's p90 error on the public measurements it was fitted to, `model.latency`).
+  model's p90 error on the public measurements it was fitted to, `model.latency`);
+- against the current model: when calibration replaces the model, the ratios of the
+  requests whose inputs are known are taken again against the new one (`rebase`).
+  Otherwise a fit that just moved would be corrected by ratios to the model it left:
+  from a prior 10x off, the first minutes' ratios say "predictions are 10x too long"
+  long after they no longer are.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 from sidecar.model.latency import LOAD_BUCKETS
@@ -54,16 +60,31 @@ def quantile(sorted_values: list[float], q: float) -> float:
     return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (position - low)
 
 
+# The model's own prediction of a request from its inputs (None: it cannot say).
+Predictor = Callable[[str, Hashable], float | None]
+
+
+class _Ratio:
+    """One request's observed / predicted, and what its prediction was made from."""
+
+    __slots__ = ("inputs", "observed_s", "value")
+
+    def __init__(self, observed_s: float, predicted_s: float, inputs: Hashable | None) -> None:
+        self.observed_s = observed_s
+        self.value = observed_s / predicted_s
+        self.inputs = inputs
+
+
 class _Window:
     """The recent ratios of one quantity (and load bucket)."""
 
     def __init__(self, size: int, recent: int, shift: float) -> None:
-        self.ratios: deque[float] = deque(maxlen=size)
+        self.ratios: deque[_Ratio] = deque(maxlen=size)
         self.recent = recent
         self.shift = shift
         self._factors: Factors | None = None  # until the next ratio
 
-    def add(self, ratio: float) -> None:
+    def add(self, ratio: _Ratio) -> None:
         ratios = self.ratios
         ratios.append(ratio)
         self._factors = None
@@ -71,16 +92,19 @@ class _Window:
         # far prior moves the ratios within a few requests) against all of them.
         recent = min(self.recent, len(ratios) // 2)
         if recent >= 4:
-            values = list(ratios)
-            median_recent = quantile(sorted(values[-recent:]), 0.5)
-            median_all = quantile(sorted(values), 0.5)
+            entries = list(ratios)
+            median_recent = quantile(sorted(r.value for r in entries[-recent:]), 0.5)
+            median_all = quantile(sorted(r.value for r in entries), 0.5)
             if abs(math.log(median_recent / median_all)) > math.log(self.shift):
                 ratios.clear()
-                ratios.extend(values[-recent:])
+                ratios.extend(entries[-recent:])
+
+    def changed(self) -> None:
+        self._factors = None
 
     def factors(self) -> Factors:
         if self._factors is None:
-            values = sorted(self.ratios)
+            values = sorted(r.value for r in self.ratios)
             p50 = quantile(values, 0.5)
             # The conformal rank: the ceil((n + 1) x 0.9)-th smallest of n ratios is
             # above the next one with probability >= 0.9.
@@ -101,15 +125,31 @@ class Spread:
         self.reset()
 
     def observe(self, quantity: str, observed_s: float, predicted_s: float,
-                bucket: int = 0) -> None:
-        """One completed request: what it took, what the model predicted for it, and the
-        load bucket it was admitted in."""
+                bucket: int = 0, inputs: Hashable | None = None) -> None:
+        """One completed request: what it took, what the model predicted for it, the
+        load bucket it was admitted in, and what the prediction was made from (for
+        `rebase`; None: the ratio stays as it is)."""
         if not (math.isfinite(observed_s) and math.isfinite(predicted_s)
                 and observed_s > 0 and predicted_s > 0):
             return
-        ratio = observed_s / predicted_s
+        ratio = _Ratio(observed_s, predicted_s, inputs)
         self._windows[quantity, None].add(ratio)
         self._windows[quantity, min(LOAD_BUCKETS - 1, max(0, bucket))].add(ratio)
+        self._factors.clear()
+
+    def rebase(self, predict: Predictor) -> None:
+        """The model was replaced: every ratio with known inputs becomes observed / the
+        new model's prediction of the same request."""
+        seen: set[int] = set()
+        for (quantity, _), window in self._windows.items():
+            for ratio in window.ratios:
+                if ratio.inputs is None or id(ratio) in seen:
+                    continue
+                seen.add(id(ratio))
+                predicted = predict(quantity, ratio.inputs)
+                if predicted is not None and math.isfinite(predicted) and predicted > 0:
+                    ratio.value = ratio.observed_s / predicted
+            window.changed()
         self._factors.clear()
 
     def factors(self, quantity: str, bucket: int | None = None) -> Factors:

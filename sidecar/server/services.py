@@ -30,10 +30,10 @@ from sidecar.admission import (
     ServerState,
     Ticket,
 )
-from sidecar.admission.cost import LatencySpread
+from sidecar.admission.cost import LatencySpread, ModelInputs
 from sidecar.admission.prefix import EventCache
 from sidecar.admission.server_queue import MAX_REQUESTS
-from sidecar.calibration import CalibrationStore, Calibrator
+from sidecar.calibration import CalibrationStore, Calibrator, warning_kind
 from sidecar.metrics import PrefixView, SidecarMetrics, StateView
 from sidecar.model import (
     Deployment,
@@ -439,7 +439,14 @@ class Services:
         )
         if moved:
             self.served = self.served.with_efficiency(efficiency)
-            self.controller.set_cost_model(self._cost_model(self.served))
+            cost_model = self._cost_model(self.served)
+            # The spread's ratios, taken against the model just replaced, are taken
+            # again against this one (see calibration.spread).
+            self.calibrator.spread.rebase(
+                lambda quantity, inputs: cost_model.model_s(quantity, inputs)
+                if isinstance(inputs, ModelInputs) else None)
+            cost_model.spread = self._spread()
+            self.controller.set_cost_model(cost_model)
             self._log_health()
 
     def _cost_model(self, served: ServedModel) -> CostModel:
@@ -466,8 +473,9 @@ class Services:
         checked = status.get("health") if status else None
         warnings = checked.get("warnings", []) if isinstance(checked, dict) else []
         for warning in warnings:
-            if warning.split(":")[0] not in self._health_logged:
-                self._health_logged.add(warning.split(":")[0])
+            kind = warning_kind(warning)
+            if kind not in self._health_logged:
+                self._health_logged.add(kind)
                 log.warning("calibration: %s", warning)
 
     def _server_state(self, view: UpstreamView) -> ServerState:
@@ -540,9 +548,11 @@ class Services:
         if calibrator is None or served is None:
             return
         # The spread of observed around the model's own prediction, as clients see it.
-        calibrator.spread.observe("ttft", ttft - known_s, cost.prefill_model_s, cost.load_bucket)
+        calibrator.spread.observe("ttft", ttft - known_s, cost.prefill_model_s, cost.load_bucket,
+                                  cost.model_inputs)
         if tpot is not None:
-            calibrator.spread.observe("tpot", tpot, cost.tpot_model_s, cost.load_bucket)
+            calibrator.spread.observe("tpot", tpot, cost.tpot_model_s, cost.load_bucket,
+                                      cost.model_inputs)
         if self.controller is not None:
             self.controller.cost_model.spread = self._spread()
         # Deflate by the others' prefill load: the lines fit the engine's own speed.
