@@ -15,8 +15,10 @@ for each prior (the device figures kvgate is given) and repetition:
 2. control: a fresh `kvgate serve --no-calibrate` with the same prior, the same
    measured requests.
 
-Every request is streamed with a unique prompt of 8-600 words and 8-96 output tokens
-(no prefix-cache hits). For each, observed / predicted TTFT and TPOT: observed by the
+Every request is streamed with a unique prompt of 8-600 words and 8-96 output tokens:
+a run's prompts start with a text of its own, so that neither the control (the same
+lengths as its case) nor the other priors' runs of the same seed find them in the
+server's prefix cache. For each, observed / predicted TTFT and TPOT: observed by the
 client (send to first token; time per token after it), predicted in kvgate's response
 headers (`x-kvgate-predicted-ttft-ms`, `x-kvgate-predicted-tpot-ms`: its p50). The p90
 coverage is the share of measured requests whose observed value was at or below
@@ -44,6 +46,7 @@ import random
 import statistics
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -119,16 +122,19 @@ def in_bounds(stats: dict[str, float]) -> bool:
 
 
 class Workload:
-    """Requests of varied lengths with unique prompts, the same for every run of a seed."""
+    """Requests of varied lengths with unique prompts: the same lengths for every run of a
+    seed, the text also unique to the run (`salt`, a new one per Workload by default), so
+    that no run finds another's prompts in the server's prefix cache."""
 
-    def __init__(self, seed: int) -> None:
+    def __init__(self, seed: int, salt: str | None = None) -> None:
         self.rng = random.Random(seed)
+        self.salt = uuid.uuid4().hex[:12] if salt is None else salt
         self.serial = 0
 
     def next(self) -> tuple[str, int, int]:
         self.serial += 1
         words = self.rng.randint(8, 600)
-        prompt = f"request {self.serial} {self.rng.random():.12f} " + " ".join(
+        prompt = f"{self.salt} request {self.serial} {self.rng.random():.12f} " + " ".join(
             self.rng.choice(WORDS) for _ in range(words))
         return prompt, words, self.rng.randint(8, 96)
 
