@@ -174,6 +174,44 @@ def test_deadline_rejects_when_predicted_ttft_exceeds_target() -> None:
         loop.close()
 
 
+def test_prompts_admitted_before_and_not_yet_prefilled_are_ahead_in_the_ttft() -> None:
+    """vLLM prefills first come, first served: three prompts sent together see their
+    first tokens after the prompts before them. A request's predicted time to first
+    token covers the prompts admitted before it that have no first token yet, less
+    as their predicted prefill runs; its own prefill work (the load it adds) does not."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=256, clock=clock)
+    loop = FakeClockLoop(clock)
+    try:
+        tickets = [loop.run_until_complete(admit(ctl, prompt_tokens=400, max_tokens=8))
+                   for _ in range(3)]
+        first, second, third = (t.cost for t in tickets)  # type: ignore[attr-defined]
+        assert first.model_inputs.ahead_tokens == 0
+        assert second.model_inputs.ahead_tokens == 400
+        assert third.model_inputs.ahead_tokens == 800
+        assert first.prefill_model_s < second.prefill_model_s < third.prefill_model_s
+        assert third.prefill_work_s == pytest.approx(first.prefill_work_s, rel=0.05)
+        # Half of the first's predicted time later, half of its prompt is still ahead,
+        # and of the others what their predicted times leave.
+        elapsed = first.prefill_s / 2
+        clock.now += elapsed
+        later = loop.run_until_complete(admit(ctl, prompt_tokens=400, max_tokens=8))
+        ahead = later.cost.model_inputs.ahead_tokens  # type: ignore[attr-defined]
+        left = [400 * (1 - elapsed / c.prefill_s) for c in (first, second, third)]
+        assert left[0] == pytest.approx(200)
+        assert ahead == pytest.approx(sum(left), abs=1)
+        # First tokens came for all of them: nothing is ahead any more.
+        for ticket in (*tickets, later):
+            ticket.first_token()  # type: ignore[attr-defined]
+        alone = loop.run_until_complete(admit(ctl, prompt_tokens=400, max_tokens=8))
+        assert alone.cost.model_inputs.ahead_tokens == 0  # type: ignore[attr-defined]
+        for ticket in (*tickets, later, alone):
+            ticket.finish()  # type: ignore[attr-defined]
+        assert ctl.ledger.reserved_blocks == 0
+    finally:
+        loop.close()
+
+
 def test_queue_timeout_after_max_wait() -> None:
     clock = FakeClock()
     ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_wait_s=5.0))

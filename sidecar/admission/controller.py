@@ -347,12 +347,15 @@ class AdmissionController:
         # vLLM clamps max_tokens to the context left (see `_never_fits`).
         output = min(output, max(0, self.cost_model.max_model_len - request.prompt_tokens))
         running = len(self._running)
-        slowdown = self.prefill_load.slowdown(self.clock(), running)
+        now = self.clock()
+        slowdown = self.prefill_load.slowdown(now, running)
+        ahead = self._running.prefill_ahead_tokens(now)
         plan = self._plan(request)
         shared = self.sharing.shared_blocks(plan)
         cost = self.cost_model.cost(
             request.prompt_tokens, output, request.sequences, running, self._mean_context(),
             slowdown, shared_blocks=shared, cached_tokens=plan.cached_tokens,
+            ahead_tokens=ahead,
         )
         # The learned policy leaves part of the worst case unreserved; bound the total.
         unreserved = cost.worst_case_blocks - cost.kv_blocks
@@ -363,7 +366,7 @@ class AdmissionController:
                 cost = self.cost_model.cost(
                     request.prompt_tokens, max(worst, 0), request.sequences, running,
                     self._mean_context(), slowdown, shared_blocks=shared,
-                    cached_tokens=plan.cached_tokens,
+                    cached_tokens=plan.cached_tokens, ahead_tokens=ahead,
                 )
         return cost
 
@@ -672,7 +675,8 @@ class AdmissionController:
                 self.cost_model.cost(
                     request.prompt_tokens, cost.output_tokens, request.sequences, running,
                     self._mean_context(), self.prefill_load.slowdown(now, running),
-                    shared_blocks=shared, cached_tokens=plan.cached_tokens),
+                    shared_blocks=shared, cached_tokens=plan.cached_tokens,
+                    ahead_tokens=self._running.prefill_ahead_tokens(now)),
                 worst_case_blocks=peak - shared + unreserved)
             predicted_ttft_s = queue_wait_s + cost.prefill_s
         reservation = self.ledger.reserve(own, own + unreserved, plan.keys)
@@ -720,6 +724,7 @@ class AdmissionController:
 
     def _prefilled(self, ticket: Ticket) -> None:
         """Its first token came: the server has filled (and cached) its prompt blocks."""
+        self._running.prefilled(ticket)
         shared = self.sharing.prefilled(ticket.reservation)
         if shared or self.settings.server_limits.max_prefill_tokens is not None:
             self._dispatch()

@@ -63,6 +63,7 @@ class ModelInputs(NamedTuple):
     batch: int  # the decode batch it joins, itself included
     context_tokens: int  # the decode's mean context
     slowdown: float  # the others' prefill load at admission (see `load.PrefillLoad`)
+    ahead_tokens: int = 0  # admitted prompts' tokens the server prefills before this one
 
 
 @dataclass(frozen=True)
@@ -155,16 +156,22 @@ class CostModel:
         *,
         shared_blocks: int = 0,
         cached_tokens: int = 0,
+        ahead_tokens: int = 0,
     ) -> RequestCost:
         """`slowdown` (>= 1) stretches the times for the prefill work of others
         sharing the engine (see `load.PrefillLoad`). `shared_blocks` of the peak are
         held already by admitted requests with the same prefix; `cached_tokens` of
-        the prompt are prefix-cache hits the server does not prefill again."""
+        the prompt are prefix-cache hits the server does not prefill again;
+        `ahead_tokens` are admitted prompts' tokens the server prefills first (its
+        time to first token covers them, its own prefill work does not)."""
         total = prompt_tokens + output_tokens
         cached = max(0, min(cached_tokens, prompt_tokens - 1))
         inputs = ModelInputs(prompt_tokens - cached, cached, running, mean_context,
-                             running + sequences, mean_context or total, slowdown)
+                             running + sequences, mean_context or total, slowdown,
+                             max(0, ahead_tokens))
         prefill, tpot = self._model_s(inputs)
+        own_prefill = prefill if not inputs.ahead_tokens else self.prefill_s(
+            prompt_tokens - cached, running, mean_context, cached)
         peak = self.peak_blocks(prompt_tokens, output_tokens, sequences)
         worst_output = max(output_tokens, self.max_model_len - prompt_tokens)
         shared = min(shared_blocks, peak)
@@ -180,7 +187,7 @@ class CostModel:
             worst_case_blocks=self.peak_blocks(prompt_tokens, worst_output, sequences) - shared,
             prefill_flops=self._flops_per_token * (prompt_tokens - cached),
             prefill_s=prefill_p50,
-            prefill_work_s=self._engine_work_s(prefill),
+            prefill_work_s=self._engine_work_s(own_prefill),
             tpot_s=tpot_model * spread.tpot_p50[bucket],
             shared_blocks=shared,
             cached_tokens=cached,
@@ -200,8 +207,8 @@ class CostModel:
         return (prefill if quantity == "ttft" else tpot) * inputs.slowdown
 
     def _model_s(self, inputs: ModelInputs) -> tuple[float, float]:
-        return (self.prefill_s(inputs.prefilled_tokens, inputs.running, inputs.mean_context,
-                               inputs.cached_tokens),
+        return (self.prefill_s(inputs.prefilled_tokens + inputs.ahead_tokens, inputs.running,
+                               inputs.mean_context, inputs.cached_tokens),
                 self.tpot_s(inputs.batch, inputs.context_tokens))
 
     def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int) -> int:

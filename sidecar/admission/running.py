@@ -122,23 +122,46 @@ class Ticket:
 
 
 class RunningSet:
-    """The admitted requests not finished yet, oldest first, and the tokens of context
-    (prompt + output so far) they hold together."""
+    """The admitted requests not finished yet, oldest first, the tokens of context
+    (prompt + output so far) they hold together, and those still waiting for their
+    first token (their prompts are ahead of a new one in the server's prefill)."""
 
     def __init__(self) -> None:
         self._tickets: dict[int, Ticket] = {}
+        self._prefilling: dict[int, Ticket] = {}
         self._context_tokens = 0
 
     def add(self, ticket: Ticket) -> None:
         self._tickets[ticket.key] = ticket
+        if ticket.first_token_s is None:
+            self._prefilling[ticket.key] = ticket
         self._context_tokens += ticket.request.prompt_tokens + ticket.output_tokens
 
     def remove(self, ticket: Ticket) -> bool:
         """False when it was not running (already removed)."""
         if self._tickets.pop(ticket.key, None) is None:
             return False
+        self._prefilling.pop(ticket.key, None)
         self._context_tokens -= ticket.request.prompt_tokens + ticket.output_tokens
         return True
+
+    def prefilled(self, ticket: Ticket) -> None:
+        """Its first token came: its prompt is no longer ahead of anyone's."""
+        self._prefilling.pop(ticket.key, None)
+
+    def prefill_ahead_tokens(self, now: float) -> int:
+        """Prompt tokens the server still has to prefill for admitted requests before a
+        new one's (vLLM schedules prefills first come, first served): each one's new
+        tokens times the share of its predicted time to first token still to run."""
+        ahead = 0.0
+        for ticket in self._prefilling.values():
+            cost = ticket.cost
+            tokens = (cost.prompt_tokens - cost.cached_tokens) * cost.sequences
+            expected_s = cost.prefill_s
+            left = 1.0 if expected_s <= 0 else 1.0 - (now - ticket.admitted_s) / expected_s
+            if left > 0:
+                ahead += tokens * min(1.0, left)
+        return round(ahead)
 
     def progressed(self, ticket: Ticket, added_tokens: int) -> None:
         """Call before the ticket counts the tokens."""

@@ -561,8 +561,11 @@ class Services:
         others = max(0, (batch_at_start + now_running) // 2)
         slowdown = load.slowdown(ended_at, others) if load else 1.0
         context = ticket.request.prompt_tokens + output_tokens // 2
-        # Only the tokens it prefilled: prefix-cache hits were predicted as not computed.
-        prefilled = ticket.request.prompt_tokens - ticket.cost.cached_tokens
+        # Only the tokens it prefilled (prefix-cache hits were predicted as not
+        # computed), after those of the prompts ahead of it.
+        inputs = ticket.cost.model_inputs
+        prefilled = (ticket.request.prompt_tokens - ticket.cost.cached_tokens
+                     + (inputs.ahead_tokens if inputs is not None else 0))
         calibrator.observe_prefill(served, prefilled, batch_at_start,
                                    context, (first_token_at - ticket.admitted_s) / slowdown)
         if tpot is not None:
