@@ -200,6 +200,20 @@ def test_prompts_admitted_before_and_not_yet_prefilled_are_ahead_in_the_ttft() -
         left = [400 * (1 - elapsed / c.prefill_s) for c in (first, second, third)]
         assert left[0] == pytest.approx(200)
         assert ahead == pytest.approx(sum(left), abs=1)
+        # A request that waits in kvgate's queue is priced as it starts: what was ahead
+        # of it at its arrival has been prefilled meanwhile.
+        small = controller(num_blocks=41, clock=clock)
+        big = loop.run_until_complete(admit(small, prompt_tokens=500, max_tokens=12))
+        waiting = loop.create_task(admit(small, prompt_tokens=100, max_tokens=60))
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(small.queue) == 1
+        clock.advance(2.0)
+        big.first_token()  # type: ignore[attr-defined]
+        big.finish()  # type: ignore[attr-defined]
+        started = loop.run_until_complete(waiting)
+        assert started.cost.model_inputs.ahead_tokens == 0  # type: ignore[attr-defined]
+        assert started.queue_wait_s == pytest.approx(2.0)  # type: ignore[attr-defined]
+        started.finish()  # type: ignore[attr-defined]
         # First tokens came for all of them: nothing is ahead any more.
         for ticket in (*tickets, later):
             ticket.first_token()  # type: ignore[attr-defined]

@@ -668,8 +668,10 @@ class AdmissionController:
         peak = cost.kv_blocks + cost.shared_blocks
         own = self.sharing.own_blocks(peak, plan)
         unreserved = max(0, cost.worst_case_blocks - cost.kv_blocks)
-        if shared != cost.shared_blocks or plan.cached_tokens != cost.cached_tokens:
-            # What it shares changed while it waited (a holder filled its blocks).
+        if queue_wait_s > 0 or shared != cost.shared_blocks \
+                or plan.cached_tokens != cost.cached_tokens:
+            # What it shares (a holder filled its blocks), the prompts ahead of it and
+            # the running set changed while it waited: priced as it starts now.
             running = len(self._running)
             cost = replace(
                 self.cost_model.cost(
