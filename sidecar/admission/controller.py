@@ -346,29 +346,30 @@ class AdmissionController:
         )
         # vLLM clamps max_tokens to the context left (see `_never_fits`).
         output = min(output, max(0, self.cost_model.max_model_len - request.prompt_tokens))
-        running = len(self._running)
         now = self.clock()
-        slowdown = self.prefill_load.slowdown(now, running)
-        ahead = self._running.prefill_ahead_tokens(now)
         plan = self._plan(request)
         shared = self.sharing.shared_blocks(plan)
-        cost = self.cost_model.cost(
-            request.prompt_tokens, output, request.sequences, running, self._mean_context(),
-            slowdown, shared_blocks=shared, cached_tokens=plan.cached_tokens,
-            ahead_tokens=ahead,
-        )
+        cost = self._price(request, output, plan, shared, now)
         # The learned policy leaves part of the worst case unreserved; bound the total.
         unreserved = cost.worst_case_blocks - cost.kv_blocks
         if unreserved > 0 and request.max_tokens is None:
             allowed = self.settings.max_overcommit_ratio * self.ledger.capacity_blocks
             if self.ledger.overcommit_blocks + unreserved > allowed:
                 worst = self.cost_model.max_model_len - request.prompt_tokens
-                cost = self.cost_model.cost(
-                    request.prompt_tokens, max(worst, 0), request.sequences, running,
-                    self._mean_context(), slowdown, shared_blocks=shared,
-                    cached_tokens=plan.cached_tokens, ahead_tokens=ahead,
-                )
+                cost = self._price(request, max(worst, 0), plan, shared, now)
         return cost
+
+    def _price(self, request: AdmissionRequest, output_tokens: int, plan: PrefixPlan,
+               shared: int, now: float) -> RequestCost:
+        """The request's cost if it started now: beside the running requests, after the
+        prompts ahead of it, under the recent prefill load."""
+        running = len(self._running)
+        return self.cost_model.cost(
+            request.prompt_tokens, output_tokens, request.sequences, running,
+            self._mean_context(), self.prefill_load.slowdown(now, running),
+            shared_blocks=shared, cached_tokens=plan.cached_tokens,
+            ahead_tokens=self._running.prefill_ahead_tokens(now),
+        )
 
     def _never_fits(self, request: AdmissionRequest, cost: RequestCost) -> Decision | None:
         max_len = self.cost_model.max_model_len
@@ -672,14 +673,8 @@ class AdmissionController:
                 or plan.cached_tokens != cost.cached_tokens:
             # What it shares (a holder filled its blocks), the prompts ahead of it and
             # the running set changed while it waited: priced as it starts now.
-            running = len(self._running)
-            cost = replace(
-                self.cost_model.cost(
-                    request.prompt_tokens, cost.output_tokens, request.sequences, running,
-                    self._mean_context(), self.prefill_load.slowdown(now, running),
-                    shared_blocks=shared, cached_tokens=plan.cached_tokens,
-                    ahead_tokens=self._running.prefill_ahead_tokens(now)),
-                worst_case_blocks=peak - shared + unreserved)
+            cost = replace(self._price(request, cost.output_tokens, plan, shared, now),
+                           worst_case_blocks=peak - shared + unreserved)
             predicted_ttft_s = queue_wait_s + cost.prefill_s
         reservation = self.ledger.reserve(own, own + unreserved, plan.keys)
         self.sharing.admitted(plan, request.block_keys, request.prompt_tokens, cost.kv_blocks,
