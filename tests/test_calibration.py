@@ -36,6 +36,7 @@ from sidecar.calibration import (
     read_calibration,
     warning_kind,
 )
+from sidecar.calibration.spread import quantile
 from sidecar.model import Efficiency, ServedModel, custom_gpu, parse_config
 from sidecar.upstream import UpstreamView
 from sidecar.upstream.server_metrics import HistogramTotals, ServerMetrics
@@ -238,6 +239,38 @@ def test_spread_forgets_a_server_that_changed() -> None:
     assert spread.factors("tpot").p50 == pytest.approx(2.0)
     spread.reset()
     assert spread.factors("tpot").samples == 0
+
+
+def test_spread_factors_are_those_of_the_window_sorted_afresh() -> None:
+    """The window keeps its values sorted as ratios come, leave and are re-priced: its
+    factors equal those of the same ratios sorted from scratch at every step, through
+    evictions, the drop of old ratios after a change, and a rebase."""
+    rng = random.Random(11)
+    spread = Spread(window=16, recent=6)
+    seen: list[tuple[float, float, float]] = []  # (observed, predicted, as-of-now ratio)
+
+    def expected() -> tuple[float, float]:
+        values = sorted(o / p for o, p, _ in seen)
+        rank = min(len(values), math.ceil((len(values) + 1) * 0.9))
+        return quantile(values, 0.5), max(quantile(values, 0.5), values[rank - 1])
+
+    for i in range(400):
+        level = 1.0 if (i // 60) % 2 == 0 else 3.0  # a server that changes: drops
+        predicted = rng.uniform(0.5, 1.5)
+        observed = predicted * level * rng.lognormvariate(0, 0.2)
+        spread.observe("ttft", observed, predicted, inputs=predicted)
+        seen.append((observed, predicted, observed / predicted))
+        window = spread._windows["ttft", None]
+        seen = seen[-len(window.ratios):]  # what the window kept (evicted or dropped)
+        assert [r.observed_s for r in window.ratios] == [o for o, _, _ in seen]
+        factors = spread.factors("ttft")
+        if len(seen) >= spread.min_samples:  # fewer: the prior factors
+            assert (factors.p50, factors.p90) == pytest.approx(expected())
+        if i == 250:  # a new model predicting 2x as long: every ratio halves
+            spread.rebase(lambda _q, inputs: 2.0 * float(inputs))  # type: ignore[arg-type]
+            seen = [(o, 2.0 * p, o / (2.0 * p)) for o, p, _ in seen]
+            factors = spread.factors("ttft")
+            assert (factors.p50, factors.p90) == pytest.approx(expected())
 
 
 def test_spread_keeps_loads_apart() -> None:

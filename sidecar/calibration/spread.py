@@ -30,6 +30,7 @@ requests land under the p90 while the server behaves as in the window.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -76,35 +77,45 @@ class _Ratio:
 
 
 class _Window:
-    """The recent ratios of one quantity (and load bucket)."""
+    """The recent ratios of one quantity (and load bucket), and their values kept
+    sorted as they come and go (every completed request adds one: no sort per add)."""
 
     def __init__(self, size: int, recent: int, shift: float) -> None:
         self.ratios: deque[_Ratio] = deque(maxlen=size)
         self.recent = recent
         self.shift = shift
+        self._sorted: list[float] = []
         self._factors: Factors | None = None  # until the next ratio
 
     def add(self, ratio: _Ratio) -> None:
         ratios = self.ratios
+        if len(ratios) == ratios.maxlen:
+            del self._sorted[bisect.bisect_left(self._sorted, ratios[0].value)]
         ratios.append(ratio)
+        bisect.insort(self._sorted, ratio.value)
         self._factors = None
         # The last `recent` (half the window while it is short: a fit converging from a
         # far prior moves the ratios within a few requests) against all of them.
-        recent = min(self.recent, len(ratios) // 2)
+        count = len(ratios)
+        recent = min(self.recent, count // 2)
         if recent >= 4:
-            entries = list(ratios)
-            median_recent = quantile(sorted(r.value for r in entries[-recent:]), 0.5)
-            median_all = quantile(sorted(r.value for r in entries), 0.5)
+            last = sorted(ratios[i].value for i in range(count - recent, count))
+            median_recent = quantile(last, 0.5)
+            median_all = quantile(self._sorted, 0.5)
             if abs(math.log(median_recent / median_all)) > math.log(self.shift):
+                kept = [ratios[i] for i in range(count - recent, count)]
                 ratios.clear()
-                ratios.extend(entries[-recent:])
+                ratios.extend(kept)
+                self._sorted = last
 
     def changed(self) -> None:
+        """Ratios' values were changed in place (`Spread.rebase`)."""
+        self._sorted = sorted(r.value for r in self.ratios)
         self._factors = None
 
     def factors(self) -> Factors:
         if self._factors is None:
-            values = sorted(r.value for r in self.ratios)
+            values = self._sorted
             p50 = quantile(values, 0.5)
             # The conformal rank: the ceil((n + 1) x 0.9)-th smallest of n ratios is
             # above the next one with probability >= 0.9.
