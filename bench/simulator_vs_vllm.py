@@ -22,7 +22,9 @@
    efficiencies.
 
 Reported per workload: TTFT and TPOT p50/p90 measured, simulated, closed form, and
-the errors; vLLM's preemptions (`vllm:num_preemptions_total`) beside the simulator's.
+the errors; vLLM's preemptions (`vllm:num_preemptions_total`) beside the simulator's;
+`other_load`, the share of the machine's CPUs other processes took meanwhile (the
+server's and the benchmark's own excluded).
 The first workload runs again at the end as a control: `machine_drift` is its measured
 p50 at the end over the start (the 2 cores are shared; a run whose drift is far from 1
 measured a machine that changed under it).
@@ -60,7 +62,13 @@ from sidecar.model.planning import steady_latency  # noqa: E402
 from sidecar.model.simulator import EngineConfig, SimRequest, Trace, simulate  # noqa: E402
 from sidecar.model.simulator_results import percentile  # noqa: E402
 
-from bench.common import provenance, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    descendants,
+    provenance,
+    system_cpu_seconds,
+    tree_cpu_seconds,
+    write_json,
+)
 
 # The CPU's rough figures as a custom device (as tests/support/sidecar.py gives kvgate).
 CPU_DEVICE = ("--gpu-memory-gib", "24", "--gpu-bandwidth-gbps", "20", "--gpu-tflops", "0.5")
@@ -191,13 +199,22 @@ async def open_loop(url: str, model: str, work: Sequence[Shape], gaps_s: Sequenc
 
 class ClientReplay:
     """A closed loop that replays measured requests: each client sends its own
-    requests, in its order, each when its previous one finished."""
+    requests, in its order, its first when it measured sending it, each next one when
+    its previous one finished plus the gap measured between the two (the client's own
+    turnaround). Clients that start "together" are a millisecond apart, and an idle
+    engine starts a step on the first request it receives: started all at 0, the
+    simulated clients would share every step and stay in step, where the measured ones
+    fall apart on the first one."""
 
     def __init__(self, observed: Sequence[Observed]) -> None:
-        queues: dict[int, list[SimRequest]] = {}
+        queues: dict[int, list[tuple[float, SimRequest]]] = {}
+        last: dict[int, float] = {}
         for seen in sorted(observed, key=lambda s: s.sent_s):
+            offset = (seen.sent_s if seen.client not in last
+                      else max(0.0, seen.sent_s - last[seen.client]))
+            last[seen.client] = seen.last_s if seen.last_s is not None else seen.sent_s
             queues.setdefault(seen.client, []).append(
-                SimRequest(0.0, seen.prompt_tokens, seen.output_tokens))
+                (offset, SimRequest(0.0, seen.prompt_tokens, seen.output_tokens)))
         self.queues = {k: list(reversed(v)) for k, v in queues.items()}
         self.owner: dict[int, int] = {}
 
@@ -205,8 +222,8 @@ class ClientReplay:
         queue = self.queues[client]
         if not queue:
             return None
-        spec = queue.pop()
-        spec = SimRequest(at, spec.prompt_tokens, spec.output_tokens)
+        offset, spec = queue.pop()
+        spec = SimRequest(at + offset, spec.prompt_tokens, spec.output_tokens)
         self.owner[id(spec)] = client
         return spec
 
@@ -285,22 +302,47 @@ def preemptions_total(url: str) -> float:
     return total
 
 
+class OtherLoad:
+    """The share of the machine's CPUs that processes other than the server's and this
+    benchmark's own took while a workload ran: a workload measured beside someone
+    else's load measured the machine, not the engine."""
+
+    def __init__(self, server_pid: int | None) -> None:
+        self.pids = [os.getpid(), *([server_pid] if server_pid is not None else [])]
+
+    def _own(self) -> float:
+        return tree_cpu_seconds([*self.pids, *(c for p in self.pids for c in descendants(p))])
+
+    def start(self) -> None:
+        self._started = (time.monotonic(), system_cpu_seconds(), self._own())
+
+    def share(self) -> float:
+        wall0, machine0, own0 = self._started
+        wall = max(1e-9, time.monotonic() - wall0)
+        other = max(0.0, (system_cpu_seconds() - machine0) - (self._own() - own0))
+        return round(other / wall / (os.cpu_count() or 1), 3)
+
+
 async def measure_all(url: str, shape: ServerShape, efficiency: Efficiency | None,
                       levels: Sequence[int], per_level: int, fixed: Shape, seed: int,
                       mixed_too: bool = True, burst: int = 0, rate: float = 0.0,
-                      rate_requests: int = 0, control: bool = False) -> list[dict[str, Any]]:
+                      rate_requests: int = 0, control: bool = False,
+                      server_pid: int | None = None) -> list[dict[str, Any]]:
     """Every workload against the server at `url`, each compared with its prediction."""
     rng = random.Random(seed)
     served = shape.served(efficiency)
     results = []
     serial = [seed * 1_000_000]
+    load = OtherLoad(server_pid)
 
     async def run_closed(name: str, clients: int, work: list[Shape]) -> None:
         before = preemptions_total(url)
+        load.start()
         observed = await closed_loop(url, shape.served_name, work, clients, serial[0])
+        other = load.share()
         serial[0] += len(work)
         results.append(compare(name, observed, served, clients,
-                               preemptions_total(url) - before))
+                               preemptions_total(url) - before) | {"other_load": other})
 
     for mixed in (False, True) if mixed_too else (False,):
         for clients in levels:
@@ -317,9 +359,12 @@ async def measure_all(url: str, shape: ServerShape, efficiency: Efficiency | Non
             continue
         before = preemptions_total(url)
         work = shapes(count, mixed, rng, fixed)
+        load.start()
         observed = await open_loop(url, shape.served_name, work, gaps, serial[0])
+        other = load.share()
         serial[0] += count
-        results.append(compare(name, observed, served, None, preemptions_total(url) - before))
+        results.append(compare(name, observed, served, None, preemptions_total(url) - before)
+                       | {"other_load": other})
     if control:
         # The first workload again: did the machine's speed change during the run?
         await run_closed(f"closed c={levels[0]} fixed (control, at the end)", levels[0],
@@ -426,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             server.url, shape, fitted, levels,
             12 if args.smoke else 24, fixed, args.seed, mixed_too=not args.smoke,
             burst=16 if args.smoke else 32, rate=4.0, rate_requests=24 if args.smoke else 48,
-            control=True))
+            control=True, server_pid=server.pid))
     finally:
         server.stop()
     control, results = results[-1], results[:-1]
@@ -468,7 +513,7 @@ def within_targets(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def table(results: Sequence[dict[str, Any]]) -> str:
     head = ("workload", "n", "TTFT p50 meas/sim/old ms", "p90 sim/old err",
-            "TPOT p50 meas/sim/old ms", "p90 sim/old err", "preempt vllm/sim")
+            "TPOT p50 meas/sim/old ms", "p90 sim/old err", "preempt vllm/sim", "other load")
     rows = [head]
     for r in results:
         m, s, c = r["measured"], r["simulated"], r["closed_form"]
@@ -481,7 +526,8 @@ def table(results: Sequence[dict[str, Any]]) -> str:
             f"{m['tpot_s']['p50']*1e3:.1f}/{s['tpot_s']['p50']*1e3:.1f}/"
             f"{c['tpot_s']['p50']*1e3:.1f} ({se['tpot_p50']:+.0%}/{ce['tpot_p50']:+.0%})",
             f"{se['tpot_p90']:+.0%}/{ce['tpot_p90']:+.0%}",
-            f"{r['preemptions']['vllm']:.0f}/{r['preemptions']['simulated']}"))
+            f"{r['preemptions']['vllm']:.0f}/{r['preemptions']['simulated']}",
+            "-" if r.get("other_load") is None else f"{r['other_load']:.0%}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True))
                      for row in rows)
