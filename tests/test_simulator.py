@@ -25,8 +25,10 @@ from sidecar.model.simulator import (
     TraceError,
     parse_trace,
     simulate,
+    simulate_plan,
 )
 from sidecar.model.simulator_engine import Engine
+from sidecar.model.simulator_plan import PlanSimulator
 
 from support.admission_fixtures import TINY_LLAMA
 
@@ -316,6 +318,27 @@ def test_a_ramped_closed_loop_starts_its_clients_apart() -> None:
     assert worst[1] < worst[0]
     with pytest.raises(ValueError, match="ramp"):
         ClosedLoop(2, 2, Lengths(10, 10), ramp_s=-1)
+
+
+def test_plan_simulate_starts_its_clients_apart_as_the_planner_does() -> None:
+    """`kvgate plan --simulate`'s closed loop starts its clients one request's E2E
+    apart, as the planner's (`PlanSimulator`) does: started at one instant, identical
+    requests share every step for good (two prompts prefilled together, then decoded
+    in lockstep), which no real server's clients do."""
+    # A slow device: the prefill, not the fixed cost per request, makes the TTFT.
+    model = ServedModel(parse_config({**TINY_LLAMA, "max_position_embeddings": 4096}, "tiny"),
+                        Deployment(block_size=16, max_model_len=4096,
+                                   num_gpu_blocks_override=256, max_num_seqs=256),
+                        custom_gpu(16, 20, 0.05))
+    closed = simulate_plan(model, 800, 32, 2)["closed_loop"]
+    assert closed["ramp_s"] > 0
+    planned = PlanSimulator(model, 800, 32).closed_loop(2)
+    assert closed["ttft_s"]["p50"] == pytest.approx(planned.ttft_p50_s, rel=0.05)
+    assert closed["tpot_s"]["p50"] == pytest.approx(planned.tpot_p50_s, rel=0.05)
+    # In lockstep every TTFT is both prefills' step, and no prefill lands among decodes.
+    lockstep = simulate(model, ClosedLoop(2, 40, Lengths(800, 32))).summary()
+    assert closed["ttft_s"]["p50"] < 0.8 * lockstep["ttft_s"]["p50"]
+    assert closed["tpot_s"]["p50"] > 1.2 * lockstep["tpot_s"]["p50"]
 
 
 def test_ten_thousand_requests_run_quickly() -> None:

@@ -63,8 +63,16 @@ def simulate_plan(served: ServedModel, prompt_tokens: int, output_tokens: int,
                       prefix_group="shared" if shared_prefix_tokens else None,
                       prefix_tokens=shared_prefix_tokens)
     runs: dict[str, Any] = {}
-    closed = simulate(served, ClosedLoop(concurrency, count, lengths, seed=seed)).summary()
-    runs["closed_loop"] = {"clients": concurrency, **closed}
+    # The clients start one request's E2E apart, as `PlanSimulator` starts them: sent at
+    # one instant, identical requests would share every step for good, where real
+    # clients fall out of step on the first (an idle engine starts on the first arrival).
+    ramp_s = 0.0
+    if concurrency > 1:
+        alone = simulate(served, ClosedLoop(1, 1, lengths, seed=seed)).summary()
+        ramp_s = alone["e2e_s"]["mean"] or 0.0
+    closed = simulate(served, ClosedLoop(concurrency, count, lengths, seed=seed,
+                                         ramp_s=ramp_s)).summary()
+    runs["closed_loop"] = {"clients": concurrency, "ramp_s": ramp_s, **closed}
     if arrival_rate_per_s:
         opened = simulate(served, OpenLoop(arrival_rate_per_s, count, lengths,
                                            seed=seed)).summary()
