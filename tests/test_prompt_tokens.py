@@ -171,3 +171,24 @@ async def test_a_failed_check_keeps_the_local_count_honest(tokenizer: LocalToken
     assert (await prompts.count(CHAT, engine))[1] == tokenizer.tokenize(
         CHAT.tokenize_payloads[0])
     assert counted(prompts, "local") == 1
+
+
+ENCODED_TEXTS = ("", " ", "plain words", "  two  spaces\tand\ttabs\n\nnewlines ",
+                 "l'été à Zürich, 日本語のテキスト, emoji 😀👍🏽 and ∑∫√", "<s> [INST] </s>",
+                 "x" * 5000, " ".join(f"word{i}" for i in range(900)))
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-qwen3", "tiny-gemma3", "tiny-gptoss"])
+def test_ids_without_offsets_are_the_plain_encoders(model: str) -> None:
+    """kvgate encodes without character offsets (`encode_batch_fast`); the ids are the
+    ones the plain encoder gives, with and without special tokens, and the plain
+    encoder is used where the library has no such method."""
+    local = LocalTokenizer.load(model_dir(model))
+    plain = LocalTokenizer.load(model_dir(model))
+    plain._encode_fast = None
+    assert local._encode_fast is not None
+    for text in ENCODED_TEXTS:
+        for special in (True, False):
+            expected = tuple(local._tokenizer.encode(text, add_special_tokens=special).ids)
+            assert local.encode(text, add_special_tokens=special) == expected
+            assert plain.encode(text, add_special_tokens=special) == expected

