@@ -16,6 +16,11 @@ it arrives, so events that reach the client together show as an ITL of 0: a prox
 merges events lowers the median, one that delays them raises it.
 
 Target (issue 18): through kvgate, ITL p50 and p90 within 10% or 0.5 ms of vLLM alone.
+
+A control runs beside them (`bare_proxy`): the bare aiohttp stream-through proxy of
+`bench/bare_proxy.py` (no admission, no parsing, no metrics) in front of the same server.
+What it adds over vLLM alone is what one more Python process in the stream's path costs
+on this machine, whatever the proxy does; what kvgate adds beyond it is kvgate's own.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from bench.clients import VLLM_BENCH_SERVE  # noqa: E402
 from bench.common import (  # noqa: E402
     RESULTS,
     BenchError,
+    Process,
     benchmark_main,
     free_port,
     provenance,
@@ -44,6 +50,7 @@ from bench.common import (  # noqa: E402
     render_table,
     rounded,
     temporary_directory,
+    wait_http,
 )
 from bench.prefix_burst import (  # noqa: E402
     common_arguments,
@@ -101,13 +108,21 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             server.start()
         except VllmServerError as exc:
             raise BenchError(str(exc)) from exc
-        kvgate = None
+        kvgate = bare = None
         try:
             kvgate, kvgate_url = start_kvgate(server.url, tmp, "kvgate", ())
-            urls = {"vllm": server.url, "kvgate": kvgate_url}
+            bare_port = free_port()
+            bare = Process("bare proxy", [sys.executable, str(ROOT / "bench" / "bare_proxy.py"),
+                                          "--port", str(bare_port), "--upstream", server.url],
+                           tmp / "bare.log").start()
+            bare_url = f"http://127.0.0.1:{bare_port}"
+            wait_http(bare_url + "/health", bare)
+            urls = {"vllm": server.url, "kvgate": kvgate_url, "bare_proxy": bare_url}
             report["setup"] = {
                 "server": {"model": MODEL, "argv": ["python", *server.command()[1:]]},
                 "kvgate": {"argv": ["kvgate", *kvgate.argv[3:]]},
+                "bare_proxy": {"argv": ["python", "bench/bare_proxy.py"],
+                               "what": "the control: a bare aiohttp stream-through proxy"},
                 "load": {"tool": "vllm bench serve (vLLM 0.32)", "prompts": args.prompts,
                          "max_concurrency": args.concurrency, "input_len": args.input_len,
                          "output_len": args.output_len, "repetitions": args.repeat,
@@ -127,8 +142,9 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                         f"p90 {record['itl_p90_ms']} ms, TPOT p50 {record['tpot_p50_ms']} ms, "
                         f"{record['completed']} completed, {record['failed']} failed")
         finally:
-            if kvgate is not None:
-                kvgate.stop()
+            for process in (kvgate, bare):
+                if process is not None:
+                    process.stop()
             server.stop()
     report["runs"] = runs
     report["summary"] = summary(runs)
@@ -144,10 +160,14 @@ def summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     for key in ("itl_p50_ms", "itl_p90_ms", "itl_p99_ms", "tpot_p50_ms", "ttft_p50_ms",
                 "request_throughput"):
         vllm, kvgate = median("vllm", key), median("kvgate", key)
+        bare = median("bare_proxy", key) if runs.get("bare_proxy") else None
         out[key] = {"vllm": vllm, "kvgate": kvgate,
                     "difference_ms": rounded(kvgate - vllm, 3)
                     if vllm is not None and kvgate is not None else None,
-                    "ratio": rounded(kvgate / vllm, 3) if vllm and kvgate is not None else None}
+                    "ratio": rounded(kvgate / vllm, 3) if vllm and kvgate is not None else None,
+                    "bare_proxy": bare,
+                    "bare_proxy_difference_ms": rounded(bare - vllm, 3)
+                    if vllm is not None and bare is not None else None}
     out["itl_within_target"] = all(
         out[k]["difference_ms"] is not None and (abs(out[k]["difference_ms"]) <= 0.5
                                                  or abs(out[k]["ratio"] - 1) <= 0.10)
@@ -157,10 +177,11 @@ def summary(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 
 def print_report(report: dict[str, Any]) -> None:
     print(f"\n{provenance_line(report)}\n")
-    rows = [[key, v["vllm"], v["kvgate"], v["difference_ms"], v["ratio"]]
+    rows = [[key, v["vllm"], v["kvgate"], v["difference_ms"], v["ratio"],
+             v.get("bare_proxy"), v.get("bare_proxy_difference_ms")]
             for key, v in report["summary"].items() if isinstance(v, dict)]
     print(render_table(["median over repetitions", "vLLM alone", "through kvgate",
-                        "difference", "ratio"], rows))
+                        "difference", "ratio", "through the bare proxy", "difference"], rows))
     print(f"\nITL p50 and p90 within 10% or 0.5 ms: {report['summary']['itl_within_target']}")
 
 
