@@ -23,8 +23,10 @@ Paths, each measured in the same run and interleaved (the order alternates betwe
 repetitions): `vllm` (clients call vLLM), kvgate subscribed to the server's events
 (`kvgate_events`, its default `--kv-target-ratio 0.95`; `kvgate_events_r1.0` with
 1.0), kvgate modelling the server's cache from its own traffic (`kvgate_traffic`,
-`kvgate_traffic_r1.0`). kvgate: `kvgate serve --mode enforce` with the CPU's figures
-as a custom device, everything else default.
+`kvgate_traffic_r1.0`), and the control `bare_proxy`: the bare aiohttp stream-through
+proxy of `bench/bare_proxy.py` (no admission), what one more Python process in the
+path costs on this machine whatever it decides. kvgate: `kvgate serve --mode enforce`
+with the CPU's figures as a custom device, everything else default.
 
 Per burst: served, preemptions (delta of vllm:num_preemptions_total), median TTFT
 (client: send to first streamed token), burst completion (send to the last request's
@@ -82,6 +84,7 @@ CASES = ("warm", "evicted", "new")
 # path -> (uses the server's events, kvgate arguments); "vllm" is the server alone.
 PATHS: dict[str, tuple[bool, tuple[str, ...]]] = {
     "vllm": (False, ()),
+    "bare_proxy": (False, ()),
     "kvgate_events": (True, ()),
     "kvgate_events_r1.0": (True, ("--kv-target-ratio", "1.0")),
     "kvgate_traffic": (False, ()),
@@ -210,7 +213,7 @@ def own_cpu(pids: Sequence[int]) -> float:
 
 
 def run_burst(server_url: str, url: str, model: str, prompts: Sequence[str], max_tokens: int,
-              pids: Sequence[int] = ()) -> dict[str, Any]:
+              pids: Sequence[int] = (), kvgate: bool | None = None) -> dict[str, Any]:
     """Send every prompt at once through `url`; the burst's figures. `pids`: the
     server's and the proxy's processes, to tell other people's load on the machine."""
     before = vllm_metrics(server_url)
@@ -234,7 +237,7 @@ def run_burst(server_url: str, url: str, model: str, prompts: Sequence[str], max
     results, seen = asyncio.run(go())
     wall = time.monotonic() - wall_before
     other = max(0.0, (system_cpu_seconds() - machine_before) - (own_cpu(pids) - cpu_before))
-    kvgate_url = None if url == server_url else url
+    kvgate_url = url if (url != server_url if kvgate is None else kvgate) else None
     wait_idle(server_url, kvgate_url)
     after = vllm_metrics(server_url)
     served = [r for r in results if r.status == 200 and r.error is None
@@ -343,6 +346,24 @@ def start_kvgate(server_url: str, tmp: Path, name: str, extra: Sequence[str]) ->
         process.stop()
         raise
     return process, f"http://127.0.0.1:{port}"
+
+
+def start_bare_proxy(server_url: str, tmp: Path) -> tuple[Process, str]:
+    """The control path: bench/bare_proxy.py in front of the server."""
+    port = free_port()
+    process = Process("bare proxy", [sys.executable, str(ROOT / "bench" / "bare_proxy.py"),
+                                     "--port", str(port), "--upstream", server_url],
+                      tmp / "bare_proxy.log").start()
+    try:
+        wait_http(f"http://127.0.0.1:{port}/health", process)
+    except BenchError:
+        process.stop()
+        raise
+    return process, f"http://127.0.0.1:{port}"
+
+
+def is_kvgate(path: str) -> bool:
+    return path.startswith("kvgate")
 
 
 def summarise(bursts: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -508,12 +529,17 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 if path == "vllm":
                     proxies[path] = (None, server.url)
                     continue
+                if path == "bare_proxy":
+                    proxies[path] = start_bare_proxy(server.url, tmp)
+                    continue
                 uses_events, extra = PATHS[path]
                 flags = [*extra, *(("--kv-events-endpoint", endpoint) if uses_events else ())]
                 process, url = start_kvgate(server.url, tmp, path, flags)
                 proxies[path] = (process, url)
             report["paths"] = {
                 p: {"what": "clients call vLLM directly"} if p == "vllm" else
+                {"what": "the control: a bare aiohttp stream-through proxy",
+                 "argv": ["python", "bench/bare_proxy.py"]} if p == "bare_proxy" else
                 {"argv": ["kvgate", *(proxies[p][0].argv[3:] if proxies[p][0] else [])]}
                 for p in paths}
             # Warm every path up (tokenizer, connections, calibration's first sample), and
@@ -543,7 +569,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             }
             for path in paths:
                 url = proxies[path][1]
-                if url != server.url:
+                if is_kvgate(path):
                     state = json.loads(http_get(url + "/kvgate/v1/state"))["admission"]
                     report["paths"][path]["prefix"] = state.get("prefix")
                     report["paths"][path]["target_blocks"] = state["ledger"]["target_blocks"]
@@ -563,12 +589,12 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                                 fill, _ = fit(server.url, MODEL,
                                               words(f"{tag}f{index}q", 400), shape.fill_tokens)
                                 send_one(url, MODEL, fill, 2)
-                        wait_idle(server.url, None if url == server.url else url)
+                        wait_idle(server.url, url if is_kvgate(path) else None)
                         waited = args.quiet.wait()
                         process = proxies[path][0]
                         pids = [p for p in (server.pid, process and process.pid) if p]
                         record = run_burst(server.url, url, MODEL, prompts[:-1],
-                                           shape.output_tokens, pids)
+                                           shape.output_tokens, pids, kvgate=is_kvgate(path))
                         record["waited_for_quiet_s"] = round(waited, 1)
                         record["repetition"] = rep + 1
                         bursts[case][path].append(record)
@@ -588,7 +614,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                 }
             for path in paths:
                 url = proxies[path][1]
-                if url != server.url:
+                if is_kvgate(path):
                     admission = json.loads(http_get(url + "/kvgate/v1/state"))["admission"]
                     report["paths"][path]["ledger_after"] = admission["ledger"]
                     report["paths"][path]["prefix_after"] = admission.get("prefix")
