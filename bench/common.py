@@ -212,6 +212,32 @@ def system_cpu_seconds() -> float:
     return (user + nice + system + irq + softirq) / CLOCK_TICKS
 
 
+class OtherLoad:
+    """The share of the machine's CPUs that other processes took between `start()` and
+    `share()`: everything busy less this process, `pids` and all their descendants
+    (each counted once). A run measured beside someone else's load measured the
+    machine, not what it set out to."""
+
+    def __init__(self, pids: Sequence[int] = ()) -> None:
+        self.pids = (os.getpid(), *pids)
+        self._started = (time.monotonic(), system_cpu_seconds(), self._own())
+
+    def _own(self) -> float:
+        own = set(self.pids)
+        for pid in self.pids:
+            own.update(descendants(pid))
+        return tree_cpu_seconds(sorted(own))
+
+    def start(self) -> None:
+        self._started = (time.monotonic(), system_cpu_seconds(), self._own())
+
+    def share(self) -> float:
+        wall_before, machine_before, own_before = self._started
+        wall = max(1e-9, time.monotonic() - wall_before)
+        other = max(0.0, (system_cpu_seconds() - machine_before) - (self._own() - own_before))
+        return other / wall / (os.cpu_count() or 1)
+
+
 class QuietBudget:
     """A bounded total of waiting for a quiet machine, spent run by run."""
 

@@ -60,19 +60,17 @@ for _extra in (ROOT, ROOT / "tests"):
 from bench.common import (  # noqa: E402
     RESULTS,
     BenchError,
+    OtherLoad,
     Process,
     QuietBudget,
     benchmark_main,
-    descendants,
     free_port,
     http_get,
     provenance,
     provenance_line,
     render_table,
     rounded,
-    system_cpu_seconds,
     temporary_directory,
-    tree_cpu_seconds,
     wait_http,
 )
 from support.vllm_server import VllmServer, VllmServerError  # noqa: E402
@@ -206,19 +204,12 @@ async def poll_running(server_url: str, seen: dict[str, float], stop: asyncio.Ev
                 await asyncio.wait_for(stop.wait(), interval_s)
 
 
-def own_cpu(pids: Sequence[int]) -> float:
-    """CPU seconds of these processes and their children, and of this process."""
-    return tree_cpu_seconds([*pids, *(c for p in pids for c in descendants(p)),
-                             os.getpid()])
-
-
 def run_burst(server_url: str, url: str, model: str, prompts: Sequence[str], max_tokens: int,
               pids: Sequence[int] = (), kvgate: bool | None = None) -> dict[str, Any]:
     """Send every prompt at once through `url`; the burst's figures. `pids`: the
     server's and the proxy's processes, to tell other people's load on the machine."""
     before = vllm_metrics(server_url)
-    cpu_before, machine_before, wall_before = own_cpu(pids), system_cpu_seconds(), \
-        time.monotonic()
+    load = OtherLoad(pids)
 
     async def go() -> tuple[list[Result], dict[str, float]]:
         seen = {"running": 0.0, "kv_usage": 0.0}
@@ -235,9 +226,10 @@ def run_burst(server_url: str, url: str, model: str, prompts: Sequence[str], max
         return list(results), seen
 
     results, seen = asyncio.run(go())
-    wall = time.monotonic() - wall_before
-    other = max(0.0, (system_cpu_seconds() - machine_before) - (own_cpu(pids) - cpu_before))
-    kvgate_url = url if (url != server_url if kvgate is None else kvgate) else None
+    other = load.share()
+    if kvgate is None:
+        kvgate = url != server_url
+    kvgate_url = url if kvgate else None
     wait_idle(server_url, kvgate_url)
     after = vllm_metrics(server_url)
     served = [r for r in results if r.status == 200 and r.error is None
@@ -257,7 +249,7 @@ def run_burst(server_url: str, url: str, model: str, prompts: Sequence[str], max
         "max_kv_usage": rounded(seen["kv_usage"], 3),
         "server_prefix_hit_tokens": int(after["prefix_hits"] - before["prefix_hits"]),
         "server_prefix_query_tokens": int(after["prefix_queries"] - before["prefix_queries"]),
-        "other_load": rounded(other / max(wall, 1e-9) / (os.cpu_count() or 1), 3),
+        "other_load": rounded(other, 3),
     }
     if kvgate_url is not None:
         def values(name: str) -> list[float]:

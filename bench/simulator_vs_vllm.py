@@ -62,13 +62,7 @@ from sidecar.model.planning import steady_latency  # noqa: E402
 from sidecar.model.simulator import EngineConfig, SimRequest, Trace, simulate  # noqa: E402
 from sidecar.model.simulator_results import percentile  # noqa: E402
 
-from bench.common import (  # noqa: E402
-    descendants,
-    provenance,
-    system_cpu_seconds,
-    tree_cpu_seconds,
-    write_json,
-)
+from bench.common import OtherLoad, provenance, write_json  # noqa: E402
 
 # The CPU's rough figures as a custom device (as tests/support/sidecar.py gives kvgate).
 CPU_DEVICE = ("--gpu-memory-gib", "24", "--gpu-bandwidth-gbps", "20", "--gpu-tflops", "0.5")
@@ -302,27 +296,6 @@ def preemptions_total(url: str) -> float:
     return total
 
 
-class OtherLoad:
-    """The share of the machine's CPUs that processes other than the server's and this
-    benchmark's own took while a workload ran: a workload measured beside someone
-    else's load measured the machine, not the engine."""
-
-    def __init__(self, server_pid: int | None) -> None:
-        self.pids = [os.getpid(), *([server_pid] if server_pid is not None else [])]
-
-    def _own(self) -> float:
-        return tree_cpu_seconds([*self.pids, *(c for p in self.pids for c in descendants(p))])
-
-    def start(self) -> None:
-        self._started = (time.monotonic(), system_cpu_seconds(), self._own())
-
-    def share(self) -> float:
-        wall0, machine0, own0 = self._started
-        wall = max(1e-9, time.monotonic() - wall0)
-        other = max(0.0, (system_cpu_seconds() - machine0) - (self._own() - own0))
-        return round(other / wall / (os.cpu_count() or 1), 3)
-
-
 async def measure_all(url: str, shape: ServerShape, efficiency: Efficiency | None,
                       levels: Sequence[int], per_level: int, fixed: Shape, seed: int,
                       mixed_too: bool = True, burst: int = 0, rate: float = 0.0,
@@ -333,13 +306,13 @@ async def measure_all(url: str, shape: ServerShape, efficiency: Efficiency | Non
     served = shape.served(efficiency)
     results = []
     serial = [seed * 1_000_000]
-    load = OtherLoad(server_pid)
+    load = OtherLoad([server_pid] if server_pid is not None else [])
 
     async def run_closed(name: str, clients: int, work: list[Shape]) -> None:
         before = preemptions_total(url)
         load.start()
         observed = await closed_loop(url, shape.served_name, work, clients, serial[0])
-        other = load.share()
+        other = round(load.share(), 3)
         serial[0] += len(work)
         results.append(compare(name, observed, served, clients,
                                preemptions_total(url) - before) | {"other_load": other})
@@ -361,7 +334,7 @@ async def measure_all(url: str, shape: ServerShape, efficiency: Efficiency | Non
         work = shapes(count, mixed, rng, fixed)
         load.start()
         observed = await open_loop(url, shape.served_name, work, gaps, serial[0])
-        other = load.share()
+        other = round(load.share(), 3)
         serial[0] += count
         results.append(compare(name, observed, served, None, preemptions_total(url) - before)
                        | {"other_load": other})

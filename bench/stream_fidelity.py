@@ -42,7 +42,6 @@ from bench.clients import VLLM_BENCH_SERVE  # noqa: E402
 from bench.common import (  # noqa: E402
     RESULTS,
     BenchError,
-    Process,
     benchmark_main,
     free_port,
     provenance,
@@ -50,13 +49,13 @@ from bench.common import (  # noqa: E402
     render_table,
     rounded,
     temporary_directory,
-    wait_http,
 )
 from bench.prefix_burst import (  # noqa: E402
     common_arguments,
     locate,
     quiet_budget,
     say,
+    start_bare_proxy,
     start_kvgate,
 )
 from support.vllm_server import VllmServer, VllmServerError  # noqa: E402
@@ -111,12 +110,7 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         kvgate = bare = None
         try:
             kvgate, kvgate_url = start_kvgate(server.url, tmp, "kvgate", ())
-            bare_port = free_port()
-            bare = Process("bare proxy", [sys.executable, str(ROOT / "bench" / "bare_proxy.py"),
-                                          "--port", str(bare_port), "--upstream", server.url],
-                           tmp / "bare.log").start()
-            bare_url = f"http://127.0.0.1:{bare_port}"
-            wait_http(bare_url + "/health", bare)
+            bare, bare_url = start_bare_proxy(server.url, tmp)
             urls = {"vllm": server.url, "kvgate": kvgate_url, "bare_proxy": bare_url}
             report["setup"] = {
                 "server": {"model": MODEL, "argv": ["python", *server.command()[1:]]},
