@@ -88,7 +88,10 @@ class ServerShape:
             "--max-model-len", str(self.max_model_len), "--block-size", str(self.block_size),
             "--num-gpu-blocks-override", str(self.num_blocks),
             "--max-num-seqs", str(self.max_num_seqs),
-            "--max-num-batched-tokens", str(self.max_num_batched_tokens)])
+            "--max-num-batched-tokens", str(self.max_num_batched_tokens),
+            # vLLM's CPU build schedules without asynchronous scheduling
+            # (vllm/platforms/cpu.py): the simulator follows the server it is held against.
+            "--no-async-scheduling"])
         served = served_model_from_args(args)
         return served if efficiency is None else served.with_efficiency(efficiency)
 
@@ -346,8 +349,10 @@ async def measure_all(url: str, shape: ServerShape, efficiency: Efficiency | Non
 
 
 # The terms the warm-up fits: (name, lower, upper). The rest keep the prior.
+# `compute` is the share of the device's declared peak FLOP/s (CPU_DEVICE: rough figures
+# for a CPU); above 1 where this machine's CPU outruns them.
 FITTED = (("per_step_s", 1e-4, 0.05), ("per_sequence_s", 0.0, 0.01),
-          ("per_request_s", 0.0, 0.2), ("compute", 0.005, 1.0))
+          ("per_request_s", 0.0, 0.2), ("compute", 0.005, 8.0))
 
 
 def _log_error(predicted: float | None, measured: float | None) -> float:

@@ -3,15 +3,12 @@ roofline's own step prices, and `kvgate simulate`."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from sidecar.cli.main import main
 from sidecar.model import Deployment, ServedModel, custom_gpu, parse_config
 from sidecar.model.latency import Prefill
 from sidecar.model.simulator import (
@@ -31,6 +28,7 @@ from sidecar.model.simulator_engine import Engine
 from sidecar.model.simulator_plan import PlanSimulator
 
 from support.admission_fixtures import TINY_LLAMA
+from support.cli import run_cli
 
 SLIDING = {**TINY_LLAMA, "model_type": "mistral", "num_key_value_heads": 1, "head_dim": 32,
            "sliding_window": 256, "max_position_embeddings": 4096}
@@ -387,14 +385,7 @@ def test_a_trace_parses_with_comments_and_optional_fields() -> None:
 # ---- kvgate simulate -----------------------------------------------------------------
 
 
-def _cli(argv: list[str]) -> tuple[int, str, str]:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(argv)
-        except SystemExit as exc:
-            code = int(exc.code or 0)
-    return code, out.getvalue(), err.getvalue()
+_cli = run_cli
 
 
 @pytest.fixture
@@ -452,6 +443,32 @@ def test_simulate_command_errors_are_one_line(model_and_trace: tuple[Path, Path]
     assert code == 2 and "vLLM would not start" in err
 
 
+def test_simulate_follows_a_server_without_asynchronous_scheduling(tmp_path: Path) -> None:
+    """--no-async-scheduling (vLLM's CPU build): a finished request frees its blocks
+    before the next step is scheduled, so a waiting request starts a step sooner. 9 of
+    the 64 requests fit at once (7 blocks of 16 tokens each, 63 usable)."""
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**TINY_LLAMA, "max_position_embeddings": 4096}))
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text("\n".join(json.dumps({"arrival_s": 0, "prompt_tokens": 100,
+                                           "output_tokens": 1 + k % 4}) for k in range(64)))
+    base = ["simulate", "--model", str(config), "--gpu", "L4", "--num-gpu-blocks-override",
+            "64", "--block-size", "16", "--max-model-len", "1000", "--max-num-seqs", "256",
+            "--max-num-batched-tokens", "2048", "--trace", str(trace), "--json"]
+    runs = {}
+    for flags in ([], ["--no-async-scheduling"]):
+        code, out, _ = _cli([*base, *flags])
+        assert code == 0
+        runs[bool(flags)] = json.loads(out)
+    assert runs[False]["settings"]["async_scheduling"] is True
+    assert runs[True]["settings"]["async_scheduling"] is False
+    # the same steps as vLLM 0.32's Scheduler and AsyncScheduler take on this case
+    # (test_simulator_vllm_scheduler.py, full-attention-queue)
+    assert (runs[True]["vllm"]["steps"], runs[False]["vllm"]["steps"]) == (20, 27)
+    code, out, _ = _cli([*base[:-1], "--no-async-scheduling"])
+    assert "no asynchronous scheduling" in out
+
+
 def test_simulate_help_explains_the_command() -> None:
     code, out, _ = _cli(["simulate", "--help"])
     assert code == 0
@@ -463,15 +480,18 @@ def test_simulate_help_explains_the_command() -> None:
 @pytest.mark.parametrize(("config", "chunk"), [(TINY_LLAMA, 96), (SLIDING, 96), (HYBRID, 96),
                                                (SLIDING, 12)],
                          ids=["full", "sliding", "hybrid", "sliding-small-budget"])
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
 def test_visiting_decoders_only_where_blocks_change_loses_nothing(
-        config: dict[str, Any], chunk: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        config: dict[str, Any], chunk: int, asynchronous: bool,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     from sidecar.model import simulator_engine
 
     model = served(config=config, blocks=400, chunk=chunk, block=16)
     workload = OpenLoop(400.0, 60, Lengths(300, 200, spread=0.8), seed=5)
-    fast = simulate(model, workload, exact(model, kv_samples=100_000))
+    config_ = exact(model, kv_samples=100_000, async_scheduling=asynchronous)
+    fast = simulate(model, workload, config_)
     monkeypatch.setattr(simulator_engine.Engine, "_change_gaps", lambda self, served: [])
-    slow = simulate(model, workload, exact(model, kv_samples=100_000))
+    slow = simulate(model, workload, config_)
     assert fast.kv_samples == slow.kv_samples
     assert fast.summary() == slow.summary()
 
@@ -501,8 +521,10 @@ def test_plan_simulate_prints_the_simulated_figures_beside_the_closed_form() -> 
 @pytest.mark.parametrize("config", [TINY_LLAMA, SLIDING, HYBRID],
                          ids=["full", "sliding", "hybrid"])
 @pytest.mark.parametrize("policy", ["fcfs", "priority"])
+@pytest.mark.parametrize("asynchronous", [True, False], ids=["async", "sync"])
 def test_the_pool_is_never_overdrawn_and_returns_to_empty(config: dict[str, Any],
-                                                          policy: str) -> None:
+                                                          policy: str,
+                                                          asynchronous: bool) -> None:
     import random
 
     from sidecar.model.simulator_engine import Engine as _Engine
@@ -519,7 +541,8 @@ def test_the_pool_is_never_overdrawn_and_returns_to_empty(config: dict[str, Any]
                 SimRequest(r.arrival_s, r.prompt_tokens, r.output_tokens, r.prefix_group,
                            min(r.prompt_tokens, 200), r.priority) for r in requests]
     for gate in (None, KvgateGate(0.9)):
-        engine = _Engine(model, exact(model, policy=policy), gate)
+        engine = _Engine(model, exact(model, policy=policy, async_scheduling=asynchronous),
+                         gate)
         result = engine.run(Trace(requests))
         assert result.peak_blocks <= 119
         # Served unless its peak exceeds what kvgate ever gives one request.

@@ -4,11 +4,13 @@ steps and the same preemptions, request by request.
 `support/vllm_scheduler.py` runs vLLM's `AsyncScheduler` with its KV cache manager under
 the vLLM CPU build's python, with no model: a stand-in model runner samples a token
 wherever a step reaches the end of a request's tokens, two batches in flight as the
-engine core keeps them with asynchronous scheduling. Cases: a full-attention pool too
-small for three requests (preemption by recompute), a sliding-window / full-attention
-hybrid whose third request must wait for a window's chunked prefill to fit (vLLM's
-admission check), and gpt-oss-120b's bursts on one H100's 6,582-block pool (GPUStack's
-rows in tests/data/groundtruth/latency.csv)."""
+engine core keeps them with asynchronous scheduling, or vLLM's `Scheduler` one step at
+a time as the CPU build runs it (`-sync` cases). Cases: a full-attention pool too small
+for three requests (preemption by recompute), one where 9 of 64 requests fit and the
+rest wait for blocks to free, a sliding-window / full-attention hybrid whose third
+request must wait for a window's chunked prefill to fit (vLLM's admission check), and
+gpt-oss-120b's bursts on one H100's 6,582-block pool (GPUStack's rows in
+tests/data/groundtruth/latency.csv)."""
 
 from __future__ import annotations
 
@@ -55,16 +57,27 @@ def _gpt_oss_on_h100() -> ServedModel:
                        find_gpu("H100"))
 
 
-CASES: dict[str, tuple[Any, list[tuple[int, int]]]] = {
+# name: (model, requests, asynchronous scheduling)
+CASES: dict[str, tuple[Any, list[tuple[int, int]], bool]] = {
     "full-attention-small-pool": (lambda: served(TINY_LLAMA, 20, 2048, 4096, 256),
-                                  [(100, 150)] * 3),
-    "hybrid-window-waits": (lambda: served(HYBRID, 236, 128, 1140, 64), [(1024, 100)] * 3),
-    "gpt-oss-120b-h100-32000x100": (_gpt_oss_on_h100, [(32_000, 100)] * 100),
-    "gpt-oss-120b-h100-2000x500": (_gpt_oss_on_h100, [(2_000, 100)] * 500),
+                                  [(100, 150)] * 3, True),
+    # 9 fit at once (7 blocks each, 63 usable), the rest wait for blocks to free: a
+    # step sooner without asynchronous scheduling (20 steps against 27)
+    "full-attention-queue": (lambda: served(TINY_LLAMA, 64, 2048, 4096, 256),
+                             [(100, 1 + k % 4) for k in range(64)], True),
+    "hybrid-window-waits": (lambda: served(HYBRID, 236, 128, 1140, 64), [(1024, 100)] * 3,
+                            True),
+    "gpt-oss-120b-h100-32000x100": (_gpt_oss_on_h100, [(32_000, 100)] * 100, True),
+    "gpt-oss-120b-h100-2000x500": (_gpt_oss_on_h100, [(2_000, 100)] * 500, True),
 }
+# The same without asynchronous scheduling, as vLLM's CPU build runs.
+CASES.update({f"{name}-sync": (make, requests, False)
+              for name, (make, requests, _) in list(CASES.items())
+              if name != "gpt-oss-120b-h100-32000x100"})
 
 
-def _case(model: ServedModel, requests: list[tuple[int, int]]) -> dict[str, Any]:
+def _case(model: ServedModel, requests: list[tuple[int, int]],
+          asynchronous: bool) -> dict[str, Any]:
     capacity = model.capacity
     assert capacity is not None
     return {
@@ -77,13 +90,15 @@ def _case(model: ServedModel, requests: list[tuple[int, int]]) -> dict[str, Any]
         "groups": [{"kind": group.spec.kind, "window": getattr(group.spec, "window", None)}
                    for group in model.layout.groups],
         "requests": requests,
+        "async_scheduling": asynchronous,
     }
 
 
 @cache
 def vllm_runs() -> dict[str, dict[str, Any]]:
     """vLLM's scheduler on every case, in one run of the vLLM python."""
-    request = [_case(make(), requests) for make, requests in CASES.values()]
+    request = [_case(make(), requests, asynchronous)
+               for make, requests, asynchronous in CASES.values()]
     proc = subprocess.run([vllm_python(), str(ORACLE)], input=json.dumps(request),
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -93,11 +108,11 @@ def vllm_runs() -> dict[str, dict[str, Any]]:
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_steps_and_preemptions_equal_vllms_scheduler(name: str) -> None:
-    make, requests = CASES[name]
+    make, requests, asynchronous = CASES[name]
     model = make()
     assert {g.spec.kind for g in model.layout.groups} <= {"full", "sliding"}
     result = simulate(model, Trace([SimRequest(0.0, p, o) for p, o in requests]),
-                      EngineConfig.of(model))
+                      EngineConfig.of(model, async_scheduling=asynchronous))
     expected = vllm_runs()[name]
     assert expected["finished"] == len(requests)
     assert all(r.finish_s is not None for r in result.records)

@@ -51,6 +51,15 @@ def fraction(text: str) -> float:
     return value
 
 
+def vllm_version(text: str) -> tuple[int, int]:
+    """A vLLM release as X.Y or X.Y.Z (the patch level does not change accounting)."""
+    parts = text.strip().lstrip("v").split(".")
+    if len(parts) not in (2, 3) or not all(part.isdigit() for part in parts):
+        raise argparse.ArgumentTypeError(f"expected a vLLM version like 0.32 or 0.19.1, "
+                                         f"got {text!r}")
+    return int(parts[0]), int(parts[1])
+
+
 def fail(prog: str, message: str) -> NoReturn:
     """Print one error line and exit 2 (bad input)."""
     sys.stderr.write(f"{prog}: error: {message}\n")

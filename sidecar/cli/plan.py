@@ -180,9 +180,16 @@ def format_report(result: dict[str, Any]) -> str:
          if result["kv_budget_bytes"] is not None else "- (give --gpu or --available-kv-gib)"],
     ]
     if result["activation_peak_bytes"] is not None:
-        memory_rows.insert(0, ["activation peak + non-torch",
-                               f"{_gib(result['activation_peak_bytes'])} + "
-                               f"{_gib(result['non_torch_bytes'])}"])
+        graphs = result["cudagraphs"]
+        memory_rows[:0] = [
+            ["activation peak + non-torch", f"{_gib(result['activation_peak_bytes'])} + "
+                                            f"{_gib(result['non_torch_bytes'])}"],
+            [f"CUDA graphs (vLLM {result['vllm_version']})",
+             f"{_gib(result['cudagraph_bytes'])} ({graphs['piecewise']} piecewise + "
+             f"{graphs['full']} full)" if result["cudagraph_bytes"] else
+             "- (--enforce-eager)" if not graphs["piecewise"] else
+             "- (captured after the KV cache before vLLM 0.21)"],
+        ]
     memory_rows += [
         ["KV cache blocks", f"{_count(result['num_gpu_blocks'])} x "
                             f"{_count(result['bytes_per_block'])} B"],

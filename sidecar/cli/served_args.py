@@ -9,7 +9,14 @@ from collections.abc import Callable
 from pathlib import Path
 
 from sidecar.calibration.store import CalibrationFileError, read_calibration
-from sidecar.cli.args import Parser, fraction, non_negative_int, positive_float, positive_int
+from sidecar.cli.args import (
+    Parser,
+    fraction,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    vllm_version,
+)
 from sidecar.cli.model_source import read_model
 from sidecar.model import (
     Deployment,
@@ -28,6 +35,7 @@ from sidecar.model.served import (
     MAMBA_CACHE_MODES,
     SPECULATIVE_METHODS,
     STATE_DTYPES,
+    VLLM_VERSION,
 )
 from sidecar.model.units import GIB
 
@@ -106,6 +114,17 @@ def add_served_model_args(parser: Parser) -> None:
                       dest="no_prefix_cache", action="store_true",
                       help="the server runs without prefix caching (vLLM's "
                       "--no-enable-prefix-caching): nothing is shared or found cached")
+    vllm.add_argument("--enforce-eager", action="store_true",
+                      help="the server runs without CUDA graphs (vLLM's --enforce-eager): "
+                      "no graph pool comes out of the KV budget")
+    vllm.add_argument("--vllm-version", type=vllm_version, default=VLLM_VERSION, metavar="X.Y",
+                      help="the server's vLLM version, for its memory accounting: from 0.21 "
+                      "vLLM takes its CUDA graphs out of the KV budget (default: "
+                      f"{'.'.join(map(str, VLLM_VERSION))}, the version kvgate follows)")
+    vllm.add_argument("--no-async-scheduling", dest="no_async_scheduling", action="store_true",
+                      help="the server schedules each step after the last one's output "
+                      "(vLLM's --no-async-scheduling; its CPU build always does): finished "
+                      "requests free their blocks a step sooner. Used by the simulator")
 
 
 def gpu_from_args(args: argparse.Namespace) -> Gpu | None:
@@ -154,6 +173,9 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         data_parallel_size=args.data_parallel_size,
         attention_backend=args.attention_backend,
         speculative_method=args.speculative_method,
+        async_scheduling=not args.no_async_scheduling,
+        enforce_eager=args.enforce_eager,
+        vllm_version=args.vllm_version,
     )
 
 

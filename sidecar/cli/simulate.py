@@ -118,6 +118,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
             "usable_blocks": config.usable_blocks,
             "policy": config.policy,
             "prefix_caching": config.prefix_caching,
+            "async_scheduling": config.async_scheduling,
             "kv_target_ratio": args.kv_target_ratio,
         },
         "trace": {
@@ -148,7 +149,8 @@ def format_report(result: dict[str, Any]) -> str:
             f"{settings['usable_blocks']:,} KV blocks of {settings['block_size']} tokens, "
             f"--max-num-seqs {settings['max_num_seqs']}, --max-num-batched-tokens "
             f"{settings['max_num_batched_tokens']:,}, {settings['policy']}, prefix cache "
-            f"{'on' if settings['prefix_caching'] else 'off'}")
+            f"{'on' if settings['prefix_caching'] else 'off'}"
+            + ("" if settings["async_scheduling"] else ", no asynchronous scheduling"))
     lead = (f"Trace {trace['path']}: {trace['requests']:,} requests over "
             f"{trace['duration_s']:,.1f} s, {trace['mean_prompt_tokens']:,.0f} prompt + "
             f"{trace['mean_output_tokens']:,.0f} output tokens on average")

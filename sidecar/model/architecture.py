@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from sidecar.model.kv_spec import (
     CompressedLatentKV,
@@ -23,6 +23,7 @@ from sidecar.model.kv_spec import (
     SlidingWindowKV,
     StateKV,
 )
+from sidecar.model.units import MIB
 
 
 class Role(StrEnum):
@@ -432,6 +433,10 @@ class DenseMlp:
         output and its activation."""
         return int(3 * self.intermediate_size / tp)
 
+    # Bytes a captured CUDA graph keeps per layer of this kind (memory_budget's graph
+    # term; fitted on vLLM 0.19 start-up logs, tests/data/groundtruth/cudagraph_memory.csv).
+    cudagraph_bytes_per_graph: ClassVar[int] = int(0.26 * MIB)
+
 
 @dataclass(frozen=True)
 class MoeMlp:
@@ -479,6 +484,9 @@ class MoeMlp:
         width = min(3 * per_token / tp,
                     3 * self.num_experts * self.expert_intermediate_size / tp)
         return int(width)
+
+    # Router, top-k and expert kernels: more graph nodes per layer than a dense MLP.
+    cudagraph_bytes_per_graph: ClassVar[int] = int(0.47 * MIB)
 
     def experts_touched(self, tokens: int) -> float:
         """Expected distinct experts a batch of `tokens` tokens routes to (uniform routing)."""

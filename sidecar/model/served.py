@@ -23,7 +23,14 @@ from sidecar.model.gpu import Gpu
 from sidecar.model.kv_spec import KVSpec
 from sidecar.model.latency import DEFAULT_EFFICIENCY, Efficiency, PhaseCost, Roofline
 from sidecar.model.lifecycle import KVLifecycle
-from sidecar.model.memory_budget import MemoryBudget, activation_peak_bytes, non_torch_bytes
+from sidecar.model.memory_budget import (
+    CUDAGRAPH_PROFILED_SINCE,
+    MemoryBudget,
+    activation_peak_bytes,
+    cudagraph_bytes,
+    cudagraph_counts,
+    non_torch_bytes,
+)
 from sidecar.model.precision import kv_element_bytes, served_dtype
 from sidecar.model.quantization import WeightPrecision, weight_precision
 from sidecar.model.units import GIB
@@ -40,6 +47,7 @@ ATTENTION_BACKENDS = ("FLASHMLA_SPARSE_DSV4", "FLASHINFER_MLA_SPARSE_DSV4")
 # own) and mtp (the model's own MTP layers, whose caches join the target's).
 SPECULATIVE_METHODS = ("ngram", "mtp")
 STATE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+VLLM_VERSION = (0, 32)  # the vLLM release whose defaults and accounting kvgate follows
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,9 @@ class Deployment:
     data_parallel_size: int = 1  # engines, each with its own KV pool
     attention_backend: str | None = None  # None: vLLM's choice for the GPU
     speculative_method: str | None = None  # None: a drafter without KV layers (n-gram)
+    async_scheduling: bool = True  # vLLM's default on GPUs; off in its CPU build
+    enforce_eager: bool = False  # no CUDA graphs
+    vllm_version: tuple[int, int] = VLLM_VERSION  # whose memory accounting to follow
 
     @property
     def resolved_mamba_cache_mode(self) -> str:
@@ -312,7 +323,25 @@ class ServedModel:
                 self.arch, self.max_num_batched_tokens, self.max_num_seqs, tp
             ),
             non_torch_bytes=non_torch_bytes(tp),
+            cudagraph_bytes=self.cudagraph_bytes,
         )
+
+    @property
+    def cudagraph_counts(self) -> tuple[int, int]:
+        """(piecewise, full) CUDA graphs vLLM captures; none with --enforce-eager."""
+        if self.deployment.enforce_eager:
+            return 0, 0
+        return cudagraph_counts(self.max_num_seqs, self.max_num_batched_tokens,
+                                blackwell=self.compute_capability_major == 10,
+                                model_type=self.arch.model_type)
+
+    @property
+    def cudagraph_bytes(self) -> int:
+        """The CUDA graph pool vLLM subtracts from the KV budget: from 0.21 on, unless
+        eager (earlier versions take it out of the headroom after the KV cache)."""
+        if self.deployment.vllm_version < CUDAGRAPH_PROFILED_SINCE:
+            return 0
+        return cudagraph_bytes(self.arch, sum(self.cudagraph_counts))
 
     @property
     def kv_budget_bytes(self) -> int | None:

@@ -21,8 +21,11 @@ It follows `vllm/v1/core/sched/scheduler.py` (vLLM 0.32), one `schedule()` per s
    admission.
 
 vLLM schedules a step while the previous one runs (asynchronous scheduling, on by
-default): a request that finished in a step still holds its blocks and its place in
-`max_num_seqs` while the next step is scheduled.
+default on GPUs): a request that finished in a step still holds its blocks and its place
+in `max_num_seqs` while the next step is scheduled, and a window's blocks are freed on
+the tokens processed before the step in flight. With `async_scheduling=False` (vLLM's
+CPU build turns it off, `vllm/platforms/cpu.py`) each step's output is processed before
+the next is scheduled: finished requests free their blocks first.
 
 Blocks per request come from the model's layout (`KVLayout.blocks_in_step`: the same
 per-step holding `ServedModel.lifecycle` and the admission ledger use, sliding windows
@@ -73,6 +76,7 @@ class EngineConfig:
     usable_blocks: int  # the pool less vLLM's null block
     policy: Policy = "fcfs"
     prefix_caching: bool = True
+    async_scheduling: bool = True  # vLLM's default on GPUs; its CPU build turns it off
     price_bits: int = 6  # significant bits of memoised step prices (0: exact)
     kv_samples: int = 400  # most (time, blocks) points kept
 
@@ -85,13 +89,16 @@ class EngineConfig:
 
     @staticmethod
     def of(served: ServedModel, policy: Policy = "fcfs", prefix_caching: bool = True,
-           price_bits: int = 6) -> EngineConfig:
+           price_bits: int = 6, async_scheduling: bool | None = None) -> EngineConfig:
+        """The settings of `served`'s server (`async_scheduling` None: as deployed)."""
         capacity = served.capacity
         if capacity is None:
             raise ModelError("the simulator needs the KV cache size: give a GPU, "
                              "--available-kv-gib or --num-gpu-blocks-override")
         return EngineConfig(served.max_num_seqs, served.max_num_batched_tokens,
-                            capacity.usable_blocks, policy, prefix_caching, price_bits)
+                            capacity.usable_blocks, policy, prefix_caching,
+                            served.deployment.async_scheduling if async_scheduling is None
+                            else async_scheduling, price_bits)
 
 
 @dataclass(frozen=True)
@@ -207,6 +214,7 @@ class Engine:
         self.config = config
         self.layout = served.layout
         self.recycles = self.layout.recycles_blocks
+        self.async_scheduling = config.async_scheduling
         self.gaps = self._change_gaps(served)
         block = self.layout.prefix_block_size
         shareable = self.layout.prefix_groups
@@ -219,9 +227,9 @@ class Engine:
         self.budget = config.max_num_batched_tokens
         # vLLM's admission check counts a recycling group (a sliding window) up to its
         # window plus `VllmConfig.max_in_flight_tokens`: max_concurrent_batches x
-        # max_num_batched_tokens, 2 batches with asynchronous scheduling, the step in
-        # flight that the holdings here keep and the step being scheduled.
-        self.admission_in_flight = (served.lifecycle.in_flight_steps + 1) * self.budget
+        # max_num_batched_tokens, 2 batches with asynchronous scheduling (the step in
+        # flight that the holdings here keep and the step being scheduled), else 1.
+        self.admission_in_flight = (2 if config.async_scheduling else 1) * self.budget
         self.gate = gate
         self.gate_cap = int(self.usable * gate.target_ratio) if gate else 0
         # time and queues
@@ -395,6 +403,10 @@ class Engine:
         budget = self.budget
         self.preempted_in_step = False
         finished, self.releasing = self.releasing, []
+        if not self.async_scheduling:  # their output was processed before this schedule
+            for req in finished:
+                self._release(req)
+            finished = []
         tick = self.tick + 1
         if self.n_dec > budget:
             self._skip_decoders(budget, tick)
@@ -408,7 +420,8 @@ class Engine:
             if not req.running:
                 continue
             size = min(req.num_tokens - req.computed, budget)
-            settled = req.computed - (req.last_chunk if req.last_step == self.steps - 1 else 0)
+            in_flight = req.last_step == self.steps - 1 and self.async_scheduling
+            settled = req.computed - (req.last_chunk if in_flight else 0)
             delta = self._held(req.computed, size, settled) - req.shared * self.prefix_units \
                 - req.own
             if delta > 0 and not self._make_room(delta, req):
@@ -529,7 +542,8 @@ class Engine:
                 continue  # preempted for an earlier one
             produced = req.gen_base + tick - 1 - req.d_base
             computed = req.prompt + produced - 1
-            in_flight = req.last_chunk if produced == req.gen_base else 1
+            in_flight = ((req.last_chunk if produced == req.gen_base else 1)
+                         if self.async_scheduling else 0)
             blocks = self._held(computed, 1, computed - in_flight)
             delta = blocks - req.shared * self.prefix_units - req.own
             if delta > 0 and not self._make_room(delta, req):
@@ -551,8 +565,10 @@ class Engine:
         lcm of the block sizes the changes fall on fixed residues: those where the
         count changes once decoding is steady (found by evaluating one period past
         max_model_len) and 1 (a growing group's new block). The first two steps after
-        a prefill are visited anyway (its last chunk is still in flight). Empty: visit
-        every step (periods too long to tabulate)."""
+        a prefill are visited anyway (its last chunk is still in flight). Windows free
+        on the tokens processed before the step in flight (asynchronous scheduling) or
+        before this step. Empty: visit every step (periods too long to tabulate)."""
+        lag = 1 if self.async_scheduling else 0
         period = 1
         for group in self.layout.groups:
             period = math.lcm(period, group.block_size)
@@ -561,9 +577,9 @@ class Engine:
         start = period * (served.max_model_len // period + 4)
         layout = self.layout
         residues = {1 % period}
-        previous = layout.blocks_in_step(start - 1, 1, start - 2)
+        previous = layout.blocks_in_step(start - 1, 1, start - 1 - lag)
         for x in range(start + 1, start + period + 1):
-            now = layout.blocks_in_step(x - 1, 1, x - 2)
+            now = layout.blocks_in_step(x - 1, 1, x - 1 - lag)
             if now != previous:
                 residues.add(x % period)
             previous = now
@@ -795,7 +811,7 @@ class Engine:
         """The request sampled its last token in the step just run. With asynchronous
         scheduling vLLM schedules the next step before it processes this one's output:
         the request still counts against max_num_seqs and holds its blocks while the
-        next step is scheduled (`releasing`)."""
+        next step is scheduled (`releasing`); without, they are freed before it."""
         if req.decoding:
             self._stop_decoding(req)
         self.releasing.append(req)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 GIB = 1024**3
+MIB = 1024**2
 GB = 1000**3
 TERA = 1e12
 

@@ -203,14 +203,9 @@ def _note_float(notes: str, pattern: str) -> float | None:
 
 def _utilization(cell: str, notes: str) -> float | None:
     """The row's gpu_memory_utilization, or vLLM's default 0.9 where the notes say it
-    was not set (`gpu_memory_utilization not set (default 0.9)`).
-
-    vLLM >= 0.21 subtracts its CUDA graph memory estimate from the budget and says
-    which utilization that amounts to without it; the model, which does not estimate
-    CUDA graphs, takes that one."""
-    equivalent = _note_float(notes, r"is equivalent to ([\d.]+) without CUDA graph")
-    if equivalent is not None:
-        return equivalent
+    was not set (`gpu_memory_utilization not set (default 0.9)`). vLLM >= 0.21
+    subtracts its CUDA graph estimate from the budget at that utilization, and so does
+    the model (`ServedModel.cudagraph_bytes`)."""
     value = number(cell)
     if value is not None:
         return value
@@ -227,6 +222,18 @@ def vllm_version(version_cell: str, notes: str) -> tuple[int, ...] | None:
         stated = re.search(r"vLLM ~?(\d+\.\d+)", notes)
         version = _version(stated.group(1)) if stated else None
     return version
+
+
+# Rows that state no vLLM version predate 0.21 (by their dates), the first version that
+# takes its CUDA graphs out of the KV budget; other engines' rows take none either.
+_BEFORE_GRAPH_PROFILING = (0, 20)
+
+
+def _accounting_version(version: tuple[int, ...] | None) -> tuple[int, int]:
+    """The vLLM version whose memory accounting models a row."""
+    if version is None:
+        return _BEFORE_GRAPH_PROFILING
+    return (version[0], version[1] if len(version) > 1 else 0)
 
 
 def vllm_generation(version_cell: str, notes: str) -> str:
@@ -308,6 +315,7 @@ class KvCase:
             max_num_batched_tokens=self.profile_tokens(max_len),
             available_kv_bytes=None if available_kv_gib is None
             else int(available_kv_gib * GIB),
+            vllm_version=_accounting_version(self.version),
         )
         return ServedModel(arch, deployment, self.gpu.gpu)
 
@@ -570,6 +578,8 @@ class LatencyCase:
             if self.engine == "tensorrt-llm" else None,
             available_kv_bytes=None if self.available_kv_gib is None
             else int(self.available_kv_gib * GIB),
+            vllm_version=_accounting_version(
+                _version(self.engine_version) if self.engine == "vllm" else None),
         )
         return ServedModel(self.arch, deployment, over_network(gpu) if self.gpu.cross_node else gpu)
 

@@ -16,12 +16,15 @@ What stands in for the rest of the engine:
 - `EngineCore.step_with_batch_queue`: with asynchronous scheduling (the GPU default;
   the CPU platform turns it off, so it is turned back on here) the next step is
   scheduled before the previous step's output is processed, two batches at a time;
+  a case with `"async_scheduling": false` runs `Scheduler` as `EngineCore.step` does
+  (the CPU build's way): each step's output is processed before the next schedule;
 - the KV pool size: `num_blocks` as given (`--num-gpu-blocks-override`), one layer per
   kind (the pool's blocks are shared by the groups whatever their layer counts).
 
 Each case: {"model_dir", "block_size", "max_num_batched_tokens", "max_num_seqs",
 "max_model_len", "num_blocks", "groups": [{"kind": "full"|"sliding", "window"}],
-"requests": [[prompt_tokens, output_tokens], ...]} (all sent at once, in that order).
+"requests": [[prompt_tokens, output_tokens], ...] (all sent at once, in that order),
+"async_scheduling" (optional, default true)}.
 Each answer: {"steps": steps that scheduled tokens, "preemptions": per request,
 "finished": count, "max_running": most requests running at once}.
 """
@@ -48,6 +51,7 @@ from vllm.v1.core.kv_cache_utils import (  # noqa: E402
     init_none_hash,
 )
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     KVCacheSpec,
@@ -69,7 +73,9 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
                       num_gpu_blocks_override=case["num_blocks"],
                       enable_prefix_caching=True, enable_chunked_prefill=True)
     config = args.create_engine_config()
-    config.scheduler_config.async_scheduling = True
+    asynchronous = bool(case.get("async_scheduling", True))
+    config.scheduler_config.async_scheduling = asynchronous
+    batches = 2 if asynchronous else 1
     layout = KVCacheLayout["LBNHC"]  # FlashAttention declares none
     object.__setattr__(config.cache_config, "get_resolved_kv_cache_layout", lambda: layout)
     specs: dict[str, KVCacheSpec] = {}
@@ -83,7 +89,8 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
                                                 10**12)
     kv_config.num_blocks = case["num_blocks"]
     config.cache_config.num_gpu_blocks = case["num_blocks"]
-    scheduler = AsyncScheduler(vllm_config=config, kv_cache_config=kv_config,
+    scheduler_class = AsyncScheduler if asynchronous else Scheduler
+    scheduler = scheduler_class(vllm_config=config, kv_cache_config=kv_config,
                                structured_output_manager=StructuredOutputManager(config),
                                block_size=block, log_stats=False)
     init_none_hash(sha256)
@@ -107,7 +114,7 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
                      for rid in output.num_scheduled_tokens}
             max_running = max(max_running, len(scheduler.running))
             in_flight.append((output, chunk))
-            if len(in_flight) < 2 and output.num_scheduled_tokens:
+            if len(in_flight) < batches and output.num_scheduled_tokens:
                 continue  # the second batch is scheduled while the first runs
         if not in_flight:
             break
