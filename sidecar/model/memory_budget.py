@@ -5,10 +5,11 @@ vLLM measures it at start-up:
     available_kv = total_memory x gpu_memory_utilization
                    - weights - peak activations of a dummy forward pass over
                      max_num_batched_tokens tokens - non-torch memory
+                   - CUDA graphs (from vLLM 0.21)
 
 and logs `Available KV cache memory: X GiB`. When that figure is known (from a log
 or from the server's own `vllm:cache_config_info`), use it: capacity then follows
-exactly. Otherwise this module estimates the two terms that are not weights:
+exactly. Otherwise this module estimates the terms that are not weights:
 
 - activation peak: the dummy pass keeps, per token, the MLP's gate/up output and
   its activation (3 x intermediate / tp elements; for MoE the top-k experts' share,
