@@ -127,6 +127,11 @@ def test_plan_takes_the_graph_pool_out_of_the_budget_from_vllm_0_21() -> None:
     assert "CUDA graphs (vLLM 0.32)" in out and "51 piecewise + 51 full" in out
     code, out, _ = _cli(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--enforce-eager"])
     assert code == 0 and "- (--enforce-eager)" in out
+    # the vLLM flags printed start the server the plan sized
+    for flags, eager in (([], False), (["--enforce-eager"], True)):
+        code, out, _ = _cli(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100",
+                             "--print", "vllm-args", *flags])
+        assert code == 0 and ("--enforce-eager" in out) == eager
 
 
 @pytest.mark.parametrize("text", ["latest", "0", "0.x", "1.2.3.4"])

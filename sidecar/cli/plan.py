@@ -312,6 +312,8 @@ def vllm_args(result: dict[str, Any], model: str) -> str:
         f"--gpu-memory-utilization {rec['gpu_memory_utilization']}",
         f"--block-size {result['block_size']}",
     ]
+    if not result["cudagraphs"]["piecewise"]:
+        args.append("--enforce-eager")  # the plan's KV budget has no CUDA graph pool
     return " \\\n  ".join(["vllm serve", *args])
 
 
