@@ -18,7 +18,9 @@ EngineCore process, no extra VLLM::Worker process: ~10 s and ~0.6 GB saved),
 ``VLLM_CPU_KVCACHE_SPACE=1`` unless a KV size is given (the auto size would
 claim ~0.92 x the NUMA node's memory), thread binding left to vLLM's
 ``VLLM_CPU_OMP_THREADS_BIND=auto`` (1 OMP thread on core 0, core 1 reserved),
-usage stats disabled, no hub look-ups (``HF_HUB_OFFLINE=1``).  Everything else
+usage stats disabled, no hub look-ups (``HF_HUB_OFFLINE=1``), no AMX kernels
+(``vllm_site/sitecustomize.py``: they die with SIGILL now and then on VMs that
+advertise AMX; ``KVGATE_VLLM_AMX=1`` keeps them).  Everything else
 is vLLM's own default (block size 128 on CPU unless ``block_size`` is given,
 max_num_batched_tokens 2048, max_num_seqs 128).
 """
@@ -227,6 +229,11 @@ class VllmServer:
         env.pop("VIRTUAL_ENV", None)
         env.pop("PYTHONPATH", None)
         env.pop("PYTHONHOME", None)
+        if env.get("KVGATE_VLLM_AMX") != "1":
+            # No AMX kernels: see vllm_site/sitecustomize.py (SIGILL on some VMs).
+            env["PYTHONPATH"] = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                             "vllm_site")
+            env.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
         if self.fast_start:
             # In-process executor: no separate VLLM::Worker process.  Measured
             # on 2 cores: health in ~16 s instead of ~26 s, ~0.6 GB less RSS,
