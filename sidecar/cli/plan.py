@@ -180,15 +180,10 @@ def format_report(result: dict[str, Any]) -> str:
          if result["kv_budget_bytes"] is not None else "- (give --gpu or --available-kv-gib)"],
     ]
     if result["activation_peak_bytes"] is not None:
-        graphs = result["cudagraphs"]
         memory_rows[:0] = [
             ["activation peak + non-torch", f"{_gib(result['activation_peak_bytes'])} + "
                                             f"{_gib(result['non_torch_bytes'])}"],
-            [f"CUDA graphs (vLLM {result['vllm_version']})",
-             f"{_gib(result['cudagraph_bytes'])} ({graphs['piecewise']} piecewise + "
-             f"{graphs['full']} full)" if result["cudagraph_bytes"] else
-             "- (--enforce-eager)" if not graphs["piecewise"] else
-             "- (captured after the KV cache before vLLM 0.21)"],
+            [f"CUDA graphs (vLLM {result['vllm_version']})", _graphs_cell(result)],
         ]
     memory_rows += [
         ["KV cache blocks", f"{_count(result['num_gpu_blocks'])} x "
@@ -300,6 +295,17 @@ def _simulated_report(runs: dict[str, Any] | None) -> list[str]:
     return ["", f"Simulated (engine simulator, {count:,} requests each)",
             _indent(render(rows, ["workload", "TTFT p50 / p90", "TPOT p50 / p90",
                                   "E2E p50 / p90", "req/s", "preemptions"]))]
+
+
+def _graphs_cell(result: dict[str, Any]) -> str:
+    """What the CUDA graph pool takes out of the KV budget, or why nothing."""
+    graphs = result["cudagraphs"]
+    if not graphs["piecewise"]:
+        return "- (--enforce-eager)"
+    if not result["cudagraph_bytes"]:
+        return "- (captured after the KV cache before vLLM 0.21)"
+    return (f"{_gib(result['cudagraph_bytes'])} ({graphs['piecewise']} piecewise + "
+            f"{graphs['full']} full)")
 
 
 def vllm_args(result: dict[str, Any], model: str) -> str:
