@@ -181,6 +181,19 @@ def test_first_requests_of_a_shape_are_checked_then_sampled() -> None:
     assert plans == [Plan.LOCAL, Plan.LOCAL, Plan.CHECK_LATER] * 2
 
 
+def test_checks_waiting_for_the_server_count_toward_the_first_ones() -> None:
+    policy = Verification(first_checks=2, every=0)
+    shape = shape_of({"prompt": "a"})
+    assert [policy.plan(shape) for _ in range(4)] == [Plan.CHECK_NOW] * 2 + [Plan.LOCAL] * 2
+    policy.settle(shape)  # one check ended without an answer: its place is free again
+    assert policy.plan(shape) is Plan.CHECK_NOW
+    for _ in range(2):
+        policy.record(shape, True)
+        policy.settle(shape)
+    policy.settle(shape)  # more settles than plans change nothing
+    assert policy.plan(shape) is Plan.LOCAL
+
+
 def test_one_mismatch_sends_the_shape_to_the_server_for_good() -> None:
     policy = Verification(first_checks=1, every=0)
     chat = shape_of({"messages": [{"role": "user", "content": "a"}], "tools": []})

@@ -121,6 +121,32 @@ async def test_local_after_the_first_checks_then_sampled(tokenizer: LocalTokeniz
     assert checks(prompts, "match") == 4 and checks(prompts, "mismatch") == 0
 
 
+async def test_a_burst_of_a_new_shape_asks_the_server_only_the_first_checks(
+        tokenizer: LocalTokenizer) -> None:
+    # 16 requests of a shape never seen, at once: while the first checks wait for the
+    # server, the rest are counted locally (not 16 more requests to a busy server).
+    engine = TokenizingEngine(tokenizer)
+    prompts = counter(tokenizer, first_checks=3, check_every=0)
+    results = await asyncio.gather(*(prompts.count(CHAT, engine) for _ in range(16)))
+    assert len(set(results)) == 1
+    assert engine.calls == 3 and counted(prompts, "server") == 3
+    assert counted(prompts, "local") == 13 and checks(prompts, "match") == 3
+    # Settled: later requests are local too.
+    await prompts.count(CHAT, engine)
+    assert engine.calls == 3
+
+
+async def test_a_check_the_server_did_not_answer_frees_its_place(
+        tokenizer: LocalTokenizer) -> None:
+    engine = TokenizingEngine(tokenizer, fail=True)
+    prompts = counter(tokenizer, first_checks=2, check_every=0)
+    await asyncio.gather(*(prompts.count(CHAT, engine) for _ in range(4)))
+    assert engine.calls == 2 and checks(prompts, "match") == 0
+    engine.fail = False  # the next two are checks again, none having been recorded
+    await asyncio.gather(*(prompts.count(CHAT, engine) for _ in range(2)))
+    assert engine.calls == 4 and checks(prompts, "match") == 2
+
+
 async def test_a_mismatch_sends_the_shape_to_the_server(tokenizer: LocalTokenizer) -> None:
     engine = TokenizingEngine(tokenizer, shift=1)
     prompts = counter(tokenizer, first_checks=3, check_every=0)

@@ -148,15 +148,14 @@ class PromptCounter:
         plan = self.verification.plan(shape)
         if plan is Plan.SERVER:
             return await self._server(payload, client, request_id)
-        try:
-            local = await self._local(tokenizer, payload)
-        except CannotRender as exc:
-            log.debug("counted by the server: %s", exc)
-            return await self._server(payload, client, request_id)
         if plan is Plan.CHECK_NOW:
-            served = await self._server(payload, client, request_id)
-            self._compare(shape, local, served[1])
-            return served
+            try:
+                return await self._check_now(tokenizer, shape, payload, client, request_id)
+            finally:
+                self.verification.settle(shape)
+        local = await self._rendered(tokenizer, payload)
+        if local is None:
+            return await self._server(payload, client, request_id)
         if plan is Plan.CHECK_LATER and len(self._checks) < MAX_BACKGROUND_CHECKS \
                 and client is not None:
             task = asyncio.get_running_loop().create_task(
@@ -165,6 +164,27 @@ class PromptCounter:
             task.add_done_callback(self._checks.discard)
         self.metrics.prompt_tokens_counted.labels("local").inc()
         return len(local), local
+
+    async def _check_now(self, tokenizer: LocalTokenizer, shape: str,
+                         payload: Mapping[str, Any], client: Engine | None,
+                         request_id: str | None) -> tuple[int, tuple[int, ...] | None]:
+        """Count by the server, and compare the local count with its answer."""
+        local = await self._rendered(tokenizer, payload)
+        if local is None:
+            return await self._server(payload, client, request_id)
+        served = await self._server(payload, client, request_id)
+        self._compare(shape, local, served[1])
+        return served
+
+    async def _rendered(self, tokenizer: LocalTokenizer,
+                        payload: Mapping[str, Any]) -> tuple[int, ...] | None:
+        """The local token ids, or None where the local tokenizer cannot render the
+        request (the server counts it)."""
+        try:
+            return await self._local(tokenizer, payload)
+        except CannotRender as exc:
+            log.debug("counted by the server: %s", exc)
+            return None
 
     async def _local(self, tokenizer: LocalTokenizer,
                      payload: Mapping[str, Any]) -> tuple[int, ...]:

@@ -5,7 +5,9 @@ prompt or chat messages; for chat, the roles, whether content comes as parts, to
 the template kwargs named, generation-prompt flags, a request's own template). Per
 shape:
 - the first `first_checks` requests are counted by the server, and the local count is
-  compared with its answer (`check_now`);
+  compared with its answer (`check_now`); a check still waiting for the server counts
+  toward them, so a burst of a new shape sends `first_checks` requests to the server's
+  /tokenize, not the whole burst (the others are counted locally);
 - after that, local counts are used, and one request in `every` is compared in the
   background (`check_later`);
 - one mismatch sends the shape to the server for good (`server`): prefix-aware
@@ -72,6 +74,7 @@ def shape_of(payload: Mapping[str, Any]) -> str:
 @dataclass
 class _Shape:
     checked: int = 0
+    pending: int = 0  # CHECK_NOW plans not yet settled
     since_check: int = 0
     mismatched: bool = False
 
@@ -95,13 +98,21 @@ class Verification:
             state = self._shapes[shape] = _Shape()
         if state.mismatched:
             return Plan.SERVER
-        if state.checked < self.first_checks:
+        if state.checked + state.pending < self.first_checks:
+            state.pending += 1
             return Plan.CHECK_NOW
         state.since_check += 1
         if self.every and state.since_check >= self.every:
             state.since_check = 0
             return Plan.CHECK_LATER
         return Plan.LOCAL
+
+    def settle(self, shape: str) -> None:
+        """A CHECK_NOW plan is over, whatever its outcome (a comparison recorded, or
+        the server did not answer): it no longer holds one of the first checks."""
+        state = self._shapes.get(shape)
+        if state is not None and state.pending > 0:
+            state.pending -= 1
 
     def record(self, shape: str, matched: bool) -> None:
         """The outcome of one comparison with the server."""
