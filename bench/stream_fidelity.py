@@ -6,8 +6,9 @@ kvgate, measured by vLLM's own `vllm bench serve`.
     python bench/stream_fidelity.py --report bench/results/stream_fidelity.json
 
 One real vLLM CPU server (tiny-qwen3, vLLM's defaults: prefix caching on, chunked
-prefill, async scheduling) with room for every request, and `kvgate serve` in front of
-it (enforce mode, the CPU's figures as a custom device, tokens counted locally).
+prefill; the CPU build turns asynchronous scheduling off) with room for every request,
+and `kvgate serve` in front of it (enforce mode, the CPU's figures as a custom device,
+tokens counted locally).
 `vllm bench serve` (from the vLLM environment) runs the same random workload against
 each path in turn, the order alternating between repetitions: streamed
 /v1/completions, --random-input-len prompt tokens, --random-output-len output tokens
