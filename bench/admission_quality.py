@@ -102,8 +102,9 @@ POLICIES = ("vllm", "static_cap", "threshold", "kvgate")
 # events, modelling its prefix cache from kvgate's own traffic.
 # kvgate_shadow: kvgate admitting everything at once (--mode shadow): its path to the
 # server (tokenizing, streaming, KV cache events) without its admission decisions.
+# kvgate_r1.0: kvgate filling the whole cache (--kv-target-ratio 1.0, not 0.95).
 VARIANTS = {"kvgate_metrics_0.2s": ("--metrics-interval-s", "0.2"), "kvgate_traffic": (),
-            "kvgate_shadow": ("--mode", "shadow")}
+            "kvgate_shadow": ("--mode", "shadow"), "kvgate_r1.0": ("--kv-target-ratio", "1.0")}
 # kvgate's custom device for these CPUs (the same figures as the end-to-end tests);
 # calibration refines the efficiencies against the live server.
 CPU_DEVICE = ("--gpu-memory-gib", "24", "--gpu-bandwidth-gbps", "20", "--gpu-tflops", "0.5")
