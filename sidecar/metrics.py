@@ -156,6 +156,16 @@ class SidecarMetrics:
         )
         for result in ("match", "mismatch", "failed"):
             self.tokenizer_checks.labels(result)
+        self.tokenizer_reuse = Counter(
+            "kvgate_tokenizer_prefix_reuse",
+            "Long prompts encoded from where they differ from a recent prompt they share a "
+            "prefix with: spliced (the recent prompt's tokens reused), checked (a splice "
+            "compared with the whole prompt encoded), mismatch (a splice that differed: "
+            "reuse is off from then on).",
+            ["result"], registry=registry,
+        )
+        for result in ("spliced", "checked", "mismatch"):
+            self.tokenizer_reuse.labels(result)
         self.upstream_errors = Counter(
             "kvgate_upstream_errors", "Proxied requests that failed upstream, by kind.",
             ["kind"], registry=registry,

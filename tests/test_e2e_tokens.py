@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.tokens import LocalTokenizer
+from sidecar.tokens import LocalTokenizer, reuse
 
 from support.env import model_dir
 from support.sidecar import Sidecar, metric_value
@@ -77,6 +77,30 @@ PROMPTS: list[dict[str, Any]] = [
     {"prompt": "without specials", "add_special_tokens": False},
 ]
 
+# Long prompts that share prefixes (a system prompt, a document, an agent session's
+# earlier turns): counted locally by joining a recent prompt's tokens with a window of
+# the new text (`tokens/reuse.py`).
+SYSTEM = ("You are the on-call assistant for a model-serving platform. Rules: answer in "
+          "short lines; quote numbers exactly; never invent metrics; 東京 café naïve 🚀. "
+          ) * 12
+DOCUMENT = "".join(f"Section {n}: the KV cache held {n * 37} blocks at {n}:0{n % 10}Z; "
+                   "preemptions followed.\n" for n in range(40))
+
+
+def long_cases() -> list[dict[str, Any]]:
+    cases: list[dict[str, Any]] = []
+    turns: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
+    for n, question in enumerate(["What failed?", "When exactly?", "Größe of the cache?",
+                                  "And after that, 👀?", "Summarise  it\n\nbriefly."]):
+        turns = [*turns, {"role": "user", "content": f"{question} {DOCUMENT[:400 * n]}"}]
+        cases.append({"messages": turns})
+        turns = [*turns, {"role": "assistant", "content": f"Answer {n}: " + "ok " * 20}]
+    cases.append({"messages": turns[:3], "tools": TOOLS})
+    for question in ("Which section?", " leading space", "\nnewline first", "x", "😀"):
+        cases.append({"prompt": DOCUMENT + question})
+        cases.append({"prompt": DOCUMENT[:-17] + question, "add_special_tokens": False})
+    return cases
+
 
 def server_ids(server: VllmServer, payload: dict[str, Any]) -> list[int]:
     body = json.dumps({"model": SERVED, **payload}).encode()
@@ -97,18 +121,25 @@ def files_digest(name: str) -> str:
     return digest.hexdigest()
 
 
-def test_every_tiny_models_tokenizer_matches_the_server(small_kv_vllm: VllmServer) -> None:
+def test_every_tiny_models_tokenizer_matches_the_server(small_kv_vllm: VllmServer,
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
     # Each distinct set of tokenizer files needs a server loaded with it: the tiny models
     # share one, which the session's server (tiny-llama) loads.
     digests = {name: files_digest(name) for name in TINY_MODELS}
     assert set(digests.values()) == {digests[SERVED]}, (
         "a tiny model has tokenizer files of its own: serve it to compare", digests)
-    expected = [server_ids(small_kv_vllm, payload) for payload in CHATS + PROMPTS]
+    # Joined encodings are used unchecked here, so that the server's ids judge them.
+    monkeypatch.setattr(reuse, "FIRST_CHECKS", 0)
+    monkeypatch.setattr(reuse, "CHECK_EVERY", 10**9)
+    payloads = CHATS + PROMPTS + long_cases()
+    expected = [server_ids(small_kv_vllm, payload) for payload in payloads]
     assert all(expected), "the server tokenized nothing"
     for name in TINY_MODELS:
         local = LocalTokenizer.load(model_dir(name))
-        for payload, ids in zip(CHATS + PROMPTS, expected, strict=True):
+        for payload, ids in zip(payloads, expected, strict=True):
             assert list(local.tokenize(payload)) == ids, (name, payload)
+        assert local.reuse.counts["spliced"] >= 12 and local.reuse.counts["checked"] == 0
 
 
 def tokenize_calls(sidecar: Sidecar) -> dict[str, float]:
@@ -149,6 +180,16 @@ def test_requests_are_counted_locally_after_the_first_checks(
         sidecar_checks = checks(sidecar)
         assert sidecar_checks["mismatch"] == 0
         assert sidecar_checks["match"] >= 3 + 2  # the background ones may still run
+        # Long prompts sharing a document: after the first, each is encoded from where
+        # it differs, and its count is the server's.
+        for question in ("Which section?", "When?", "Größe?", "x"):
+            prompt = DOCUMENT[:1200] + question  # within the server's max_model_len
+            body = {"prompt": prompt, "max_tokens": 2}
+            served = len(server_ids(small_kv_vllm, {"prompt": prompt}))
+            assert complete(sidecar, "/v1/completions", body)[1] == served
+        spliced = metric_value(sidecar.metrics_text(), "kvgate_tokenizer_prefix_reuse_total",
+                               'result="spliced"')
+        assert spliced >= 3
 
 
 def test_a_mismatching_tokenizer_falls_back_to_the_server(

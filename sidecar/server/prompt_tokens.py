@@ -95,9 +95,33 @@ class PromptCounter:
             self.problem = str(exc)
             log.warning("prompts are counted by the server's /tokenize: %s", exc)
             return
+        tokenizer.reuse.listener = self._reused
+        tokenizer.reuse.check_inline = False
         self.tokenizer, self.problem = tokenizer, None
         log.info("counting prompt tokens locally with the tokenizer in %s (checked against "
                  "the server's /tokenize)", path)
+
+    def _verify_joins(self, tokenizer: LocalTokenizer) -> None:
+        """Compare the joins due a check with their whole prompts encoded, on a worker
+        thread (the joined ids are in use already; a difference turns reuse off)."""
+        pending = tokenizer.reuse.pending_checks
+        while pending and len(self._checks) < MAX_BACKGROUND_CHECKS:
+            text, special, ids = pending.popleft()
+            task = asyncio.get_running_loop().create_task(
+                self._verify_join(tokenizer, text, special, ids))
+            self._checks.add(task)
+            task.add_done_callback(self._checks.discard)
+
+    @staticmethod
+    async def _verify_join(tokenizer: LocalTokenizer, text: str, special: bool,
+                           ids: tuple[int, ...]) -> None:
+        await asyncio.to_thread(tokenizer.reuse.verify, text, special, ids)
+
+    def _reused(self, result: str) -> None:
+        self.metrics.tokenizer_reuse.labels(result).inc()
+        if result == "mismatch":
+            log.warning("a prompt encoded from a recent prompt's tokens differed from the "
+                        "whole prompt encoded: prompts are encoded whole from now on")
 
     async def aclose(self) -> None:
         tasks = [t for t in (self._loading, *self._checks) if t is not None]
@@ -200,6 +224,7 @@ class PromptCounter:
             ids = await asyncio.to_thread(tokenizer.tokenize, payload)
         else:
             ids = tokenizer.tokenize(payload)
+        self._verify_joins(tokenizer)
         if key is not None:
             self._recent[key] = ids
             if len(self._recent) > CACHED_PROMPTS:

@@ -22,6 +22,7 @@ from typing import Any
 from tokenizers import Encoding, Tokenizer
 
 from sidecar.tokens.chat_template import CannotRender, ChatTemplate
+from sidecar.tokens.reuse import PrefixReuse
 
 NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token",
                         "cls_token", "mask_token")
@@ -110,6 +111,8 @@ class LocalTokenizer:
             if (token := _special(files.config.get(name))) is not None
         }
         self._templates: dict[str, ChatTemplate] = {}
+        # Long prompts that extend a recent one are encoded from near where they differ.
+        self.reuse = PrefixReuse(self._encode_whole, self._encode_with_offsets)
 
     @classmethod
     def load(cls, directory: str | Path) -> LocalTokenizer:
@@ -139,12 +142,20 @@ class LocalTokenizer:
         return template
 
     def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
+        return self.reuse.encode(text, add_special_tokens)
+
+    def _encode_whole(self, text: str, add_special_tokens: bool) -> tuple[int, ...]:
         # The same ids without the character offsets kvgate never reads (~30% less CPU
         # on an 800-token prompt; tokenizers >= 0.20, else the plain encode).
         fast = self._encode_fast
         if fast is not None:
             return tuple(fast([text], add_special_tokens=add_special_tokens)[0].ids)
         return tuple(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def _encode_with_offsets(self, text: str, add_special_tokens: bool) -> tuple[
+            tuple[int, ...], list[tuple[int, int]]]:
+        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return tuple(encoding.ids), encoding.offsets
 
     def tokenize(self, payload: Mapping[str, Any]) -> tuple[int, ...]:
         """The token ids the server's /tokenize gives for the same payload (a prompt or
