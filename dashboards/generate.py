@@ -671,8 +671,11 @@ LAYOUT: list[tuple[Panel, int, int]] = [
             "Who counted each prompt: local (kvgate's tokenizer: no round trip to the "
             "server), server (its /tokenize: the first checks of each request shape, shapes "
             "whose ids differed, prompts with images) or estimate (neither could: KV "
-            "predictions less exact); and the checks of local ids against the server's "
-            "(a mismatch sends that shape to the server for good).",
+            "predictions less exact); the checks of local ids against the server's "
+            "(a mismatch sends that shape to the server for good); and long prompts "
+            "counted from where they differ from a recent one (spliced), those joins "
+            "compared with the whole prompt encoded (checked) and any difference "
+            "(mismatch: every prompt encoded whole from then on).",
             [
                 target(
                     f"sum by (source) (rate(kvgate_prompt_tokens_counted_total{{{K}}}[{RI}]))",
@@ -685,6 +688,11 @@ LAYOUT: list[tuple[Panel, int, int]] = [
                 target(
                     f"sum(rate(kvgate_tokenize_fallback_total{{{K}}}[{RI}]))",
                     "estimated (fallback)",
+                ),
+                target(
+                    f"sum by (result) "
+                    f"(rate(kvgate_tokenizer_prefix_reuse_total{{{K}}}[{RI}]))",
+                    "long prompts reused: {{result}}",
                 ),
             ],
             unit="reqps",
