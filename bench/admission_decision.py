@@ -68,7 +68,8 @@ def run(samples: int, seed: int) -> dict[str, Any]:
     running = 0
     while True:
         req = request()
-        cost, decision = controller._decide_at_arrival(req, controller.clock())
+        cost, decision = controller._decide_at_arrival(req, controller.clock(),
+                                                       controller._plan(req))
         if decision is not None or cost is None:
             break
         controller._start(req, cost, controller.clock(), queue_wait_s=0.0,
@@ -78,7 +79,7 @@ def run(samples: int, seed: int) -> dict[str, Any]:
     # KV during the measurement, so none is dispatched).
     while len(controller.queue) < QUEUED:
         req = request()
-        cost = controller._cost(req)
+        cost = controller._cost(req, controller._plan(req))
         controller.queue.push(Entry(
             arrival_s=controller.clock(), band=req.band, tenant=req.tenant,
             blocks=cost.kv_blocks, cost=cost.gpu_seconds(controller.ledger.capacity_blocks),
@@ -89,7 +90,9 @@ def run(samples: int, seed: int) -> dict[str, Any]:
     for _ in range(samples):
         req = request()
         started = clock()
-        cost, _decision = controller._decide_at_arrival(req, controller.clock())
+        # What it shares is looked up once per arrival (admit), then decided.
+        cost, _decision = controller._decide_at_arrival(req, controller.clock(),
+                                                        controller._plan(req))
         decide.append(clock() - started)
         assert cost is not None
         entry = Entry(arrival_s=controller.clock(), band=req.band, tenant=req.tenant,

@@ -95,6 +95,8 @@ class SidecarMetrics:
             "Shadow mode: what enforce mode would have decided at arrival.", ["outcome"],
             registry=registry,
         )
+        # Each decision's counter, looked up once (`labels` validates and locks per call).
+        self._decision_counters: dict[tuple[bool, str], Counter] = {}
         for outcome in FINAL_OUTCOMES:
             self.requests.labels(outcome.value)
         for outcome in SHADOW_OUTCOMES:
@@ -124,8 +126,7 @@ class SidecarMetrics:
             "kvgate_prediction_error_ratio", "Observed / predicted, per quantity.",
             ["quantity"], buckets=RATIO_BUCKETS, registry=registry,
         )
-        for quantity in QUANTITIES:
-            self.prediction_error.labels(quantity)
+        self._prediction_errors = {q: self.prediction_error.labels(q) for q in QUANTITIES}
         self.p90_covered = Counter(
             "kvgate_prediction_p90_covered",
             "Completed requests whose observed value was at or below kvgate's p90 prediction, "
@@ -133,8 +134,7 @@ class SidecarMetrics:
             "(0.9 when calibrated).",
             ["quantity"], registry=registry,
         )
-        for quantity in QUANTITIES:
-            self.p90_covered.labels(quantity)
+        self._p90_covered = {q: self.p90_covered.labels(q) for q in QUANTITIES}
         self.tokenize_fallback = Counter(
             "kvgate_tokenize_fallback",
             "Prompts counted by the fallback estimate because the server's /tokenize failed.",
@@ -146,8 +146,8 @@ class SidecarMetrics:
             "server (its /tokenize) or estimate (the fallback when neither could).",
             ["source"], registry=registry,
         )
-        for source in ("local", "server", "estimate"):
-            self.prompt_tokens_counted.labels(source)
+        self.counted_by = {source: self.prompt_tokens_counted.labels(source)
+                           for source in ("local", "server", "estimate")}
         self.tokenizer_checks = Counter(
             "kvgate_tokenizer_checks",
             "Local token ids compared with the server's /tokenize: match, mismatch (that "
@@ -196,8 +196,12 @@ class SidecarMetrics:
     # ---- the admission core's listener ----------------------------------------------
 
     def decided(self, decision: Decision, *, shadow: bool) -> None:
-        target = self.shadow_decisions if shadow else self.requests
-        target.labels(decision.outcome.value).inc()
+        key = (shadow, decision.outcome.value)
+        counter = self._decision_counters.get(key)
+        if counter is None:
+            target = self.shadow_decisions if shadow else self.requests
+            counter = self._decision_counters[key] = target.labels(key[1])
+        counter.inc()
 
     def queue_wait(self, seconds: float) -> None:
         self.queue_wait_seconds.observe(seconds)
@@ -213,9 +217,9 @@ class SidecarMetrics:
         histogram = self.observed_ttft if quantity == "ttft" else self.observed_tpot
         histogram.observe(observed_s)
         if predicted_s > 0:
-            self.prediction_error.labels(quantity).observe(observed_s / predicted_s)
+            self._prediction_errors[quantity].observe(observed_s / predicted_s)
             if predicted_p90_s is not None and observed_s <= predicted_p90_s:
-                self.p90_covered.labels(quantity).inc()
+                self._p90_covered[quantity].inc()
 
 
 class _StateCollector(Collector):

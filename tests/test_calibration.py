@@ -244,9 +244,11 @@ def test_spread_forgets_a_server_that_changed() -> None:
 def test_spread_factors_are_those_of_the_window_sorted_afresh() -> None:
     """The window keeps its values sorted as ratios come, leave and are re-priced: its
     factors equal those of the same ratios sorted from scratch at every step, through
-    evictions, the drop of old ratios after a change, and a rebase."""
+    evictions, the drop of old ratios after a change (decided here by the rule, from
+    scratch), and a rebase."""
     rng = random.Random(11)
     spread = Spread(window=16, recent=6)
+    drops = 0
     seen: list[tuple[float, float, float]] = []  # (observed, predicted, as-of-now ratio)
 
     def expected() -> tuple[float, float]:
@@ -255,13 +257,18 @@ def test_spread_factors_are_those_of_the_window_sorted_afresh() -> None:
         return quantile(values, 0.5), max(quantile(values, 0.5), values[rank - 1])
 
     for i in range(400):
-        level = 1.0 if (i // 60) % 2 == 0 else 3.0  # a server that changes: drops
+        level = 1.0 if (i // 25) % 2 == 0 else 1.6  # a server that changes: drops
         predicted = rng.uniform(0.5, 1.5)
-        observed = predicted * level * rng.lognormvariate(0, 0.2)
+        observed = predicted * level * rng.lognormvariate(0, 0.3)
         spread.observe("ttft", observed, predicted, inputs=predicted)
-        seen.append((observed, predicted, observed / predicted))
+        seen = [*seen, (observed, predicted, observed / predicted)][-16:]
+        recent = min(6, len(seen) // 2)
+        if recent >= 4:
+            median_recent = quantile(sorted(r for _, _, r in seen[-recent:]), 0.5)
+            median_all = quantile(sorted(r for _, _, r in seen), 0.5)
+            if abs(math.log(median_recent / median_all)) > math.log(spread.shift):
+                seen, drops = seen[-recent:], drops + 1
         window = spread._windows["ttft", None]
-        seen = seen[-len(window.ratios):]  # what the window kept (evicted or dropped)
         assert [r.observed_s for r in window.ratios] == [o for o, _, _ in seen]
         factors = spread.factors("ttft")
         if len(seen) >= spread.min_samples:  # fewer: the prior factors
@@ -271,6 +278,7 @@ def test_spread_factors_are_those_of_the_window_sorted_afresh() -> None:
             seen = [(o, 2.0 * p, o / (2.0 * p)) for o, p, _ in seen]
             factors = spread.factors("ttft")
             assert (factors.p50, factors.p90) == pytest.approx(expected())
+    assert drops >= 6  # every change of level, at least
 
 
 def test_spread_keeps_loads_apart() -> None:

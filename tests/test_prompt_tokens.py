@@ -218,3 +218,47 @@ def test_ids_without_offsets_are_the_plain_encoders(model: str) -> None:
             expected = tuple(local._tokenizer.encode(text, add_special_tokens=special).ids)
             assert local.encode(text, add_special_tokens=special) == expected
             assert plain.encode(text, add_special_tokens=special) == expected
+
+
+class CountingTokenizer:
+    """The real tokenizer, counting the prompts it encodes."""
+
+    def __init__(self, tokenizer: LocalTokenizer) -> None:
+        self.inner = tokenizer
+        self.reuse = tokenizer.reuse
+        self.encoded: list[Mapping[str, Any]] = []
+
+    def tokenize(self, payload: Mapping[str, Any]) -> tuple[int, ...]:
+        self.encoded.append(payload)
+        return self.inner.tokenize(payload)
+
+
+def test_identical_prompts_are_encoded_once_and_any_difference_encodes_again(
+        tokenizer: LocalTokenizer) -> None:
+    """Repeated payloads (retries, probes, the same query) come from the recent ones;
+    a payload that differs in the prompt, the model, add_special_tokens or a chat
+    message is encoded itself, and its ids are its own."""
+    counting = CountingTokenizer(tokenizer)
+    prompts = counter(counting, check_every=0, first_checks=1)  # type: ignore[arg-type]
+    server = TokenizingEngine(tokenizer)  # the first of each shape is checked with it
+    bodies: list[tuple[str, dict[str, Any]]] = [
+        ("/v1/completions", {"prompt": "What is a KV block?"}),
+        ("/v1/completions", {"prompt": "What is a KV block?", "model": "m"}),
+        ("/v1/completions", {"prompt": "What is a KV block?", "add_special_tokens": False}),
+        ("/v1/completions", {"prompt": "What is a KV block!"}),
+        ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                "content": "What is a KV block?"}]}),
+        ("/v1/chat/completions", {"messages": [{"role": "user",
+                                                "content": "What is a KV block!"}]}),
+    ]
+    first = [asyncio.run(prompts.count(parse_generation(route, body), server))
+             for route, body in bodies]
+    assert len(counting.encoded) == len(bodies)
+    checks = server.calls
+    again = [asyncio.run(prompts.count(parse_generation(route, body), server))
+             for route, body in bodies]
+    assert again == first and server.calls == checks
+    assert len(counting.encoded) == len(bodies)  # none encoded twice
+    for (route, body), (count, ids) in zip(bodies, first, strict=True):
+        assert ids == tokenizer.tokenize(parse_generation(route, body).tokenize_payloads[0])
+        assert count == len(ids or ())

@@ -260,22 +260,24 @@ class AdmissionController:
 
     async def admit(self, request: AdmissionRequest) -> Ticket:
         now = self.clock()
-        cost, decision = self._decide_at_arrival(request, now)
+        # What it shares, looked up once: nothing changes until it starts or waits.
+        plan = self._plan(request)
+        cost, decision = self._decide_at_arrival(request, now, plan)
         if self.settings.mode is Mode.SHADOW:
-            return self._admit_shadow(request, cost, decision, now)
+            return self._admit_shadow(request, cost, decision, now, plan)
         if decision is not None and decision.outcome is not Outcome.QUEUED:
             self._report(decision)
             raise Rejected(decision)
         assert cost is not None
         if decision is None:
             ticket = self._start(request, cost, now, queue_wait_s=0.0,
-                                 predicted_ttft_s=cost.prefill_s)
+                                 predicted_ttft_s=cost.prefill_s, plan=plan)
             self._report(self._admitted_decision(ticket))
             return ticket
         return await self._wait_in_queue(request, cost, now, decision)
 
     def _decide_at_arrival(
-        self, request: AdmissionRequest, now: float
+        self, request: AdmissionRequest, now: float, plan: PrefixPlan
     ) -> tuple[RequestCost | None, Decision | None]:
         """(cost, None) to admit now; (cost, QUEUED decision) to wait; else a rejection."""
         if self._draining:
@@ -286,20 +288,20 @@ class AdmissionController:
                       else "the KV cache capacity is not known yet")
             return None, Decision(Outcome.UNAVAILABLE, reason,
                                   self.settings.unavailable_retry_after_s)
-        cost = self._cost(request)
+        cost = self._cost(request, plan)
         never = self._never_fits(request, cost) or self._never_admitted_upstream(request, cost)
         if never is not None:
             return cost, never
         band = min(max(request.band, 0), self.settings.priority_bands - 1)
         ahead = self.queue.waiting_ahead_of(band)
         limit = self._server_refusal(request)
-        fits = self._fits_now(request, cost) if ahead == 0 or limit is not None else False
+        fits = self._fits_now(request, cost, plan) if ahead == 0 or limit is not None else False
         if ahead == 0 and fits and limit is None:
             return cost, None
         blocked_by = (f"the KV cache has no room for {cost.kv_blocks} more blocks now"
                       if limit is None or not fits
                       else f"{self.settings.server_limits.describe(limit)} is reached")
-        model_wait_s = self._kv_wait_s(request, cost, band)
+        model_wait_s = self._kv_wait_s(request, cost, band, plan)
         wait_s = max(self.wait_ratio.scaled(model_wait_s), self._server_wait_s(request, ahead))
         # An infinite wait is an unknown one: nothing kvgate admitted is running to free
         # blocks, the room is taken by use the server reports (traffic that bypasses
@@ -339,7 +341,7 @@ class AdmissionController:
                        else f"room in {self.settings.server_limits.describe(limit)}")
         return cost, Decision(Outcome.QUEUED, f"waiting for {waiting_for}", None, details)
 
-    def _cost(self, request: AdmissionRequest) -> RequestCost:
+    def _cost(self, request: AdmissionRequest, plan: PrefixPlan) -> RequestCost:
         output = self.output_policy.reserve(
             request.prompt_tokens, request.max_tokens, self.cost_model.max_model_len,
             request.tenant,
@@ -347,7 +349,6 @@ class AdmissionController:
         # vLLM clamps max_tokens to the context left (see `_never_fits`).
         output = min(output, max(0, self.cost_model.max_model_len - request.prompt_tokens))
         now = self.clock()
-        plan = self._plan(request)
         shared = self.sharing.shared_blocks(plan)
         cost = self._price(request, output, plan, shared, now)
         # The learned policy leaves part of the worst case unreserved; bound the total.
@@ -406,13 +407,15 @@ class AdmissionController:
             self._details(cost, largest_max_tokens=largest, max_model_len=max_len),
         )
 
-    def _fits_now(self, request: AdmissionRequest, cost: RequestCost) -> bool:
+    def _fits_now(self, request: AdmissionRequest, cost: RequestCost,
+                  plan: PrefixPlan | None = None) -> bool:
         """Whether the KV cache has room for `request` now: with the peaks of every
         running request added up (the quick answer), or else at every engine step ahead
         as the running requests grow and finish (`room`)."""
         if not self.server.available:
             return False
-        plan = self._plan(request)
+        if plan is None:
+            plan = self._plan(request)
         charge = self._charge(plan, cost)
         if self.ledger.engines > 1:
             # Data parallelism: one pool per engine, each request placed on one of them
@@ -442,7 +445,8 @@ class AdmissionController:
         return self.cost_model.tpot_s(batch, self._mean_context()) * (
             self.prefill_load.slowdown(now, batch - 1))
 
-    def _kv_wait_s(self, request: AdmissionRequest, cost: RequestCost, band: int) -> float:
+    def _kv_wait_s(self, request: AdmissionRequest, cost: RequestCost, band: int,
+                   plan: PrefixPlan | None = None) -> float:
         """Predicted time until the KV cache has room for `request`.
 
         Nobody queued ahead of it (as the queue's policies will order it: priority
@@ -457,7 +461,8 @@ class AdmissionController:
         step_s = self._step_s(now)
         queued = [waiter for entry in self.queue.ahead_of(band, request.tenant)
                   if isinstance(waiter := entry.payload, _Waiter)]
-        plan = self._plan(request)
+        if plan is None:
+            plan = self._plan(request)
         charge = self._charge(plan, cost)
         if not queued:
             if len(running.tickets) <= _EXACT_WAIT_RUNNING:
@@ -663,8 +668,12 @@ class AdmissionController:
         queue_wait_s: float,
         predicted_ttft_s: float,
         shadow_outcome: Outcome | None = None,
+        plan: PrefixPlan | None = None,
     ) -> Ticket:
-        plan = self._plan(request)
+        """Admit now. `plan`: what it shares, when looked up in this same step (a
+        request that waited looks it up again)."""
+        if plan is None:
+            plan = self._plan(request)
         shared = self.sharing.shared_blocks(plan)
         peak = cost.kv_blocks + cost.shared_blocks
         own = self.sharing.own_blocks(peak, plan)
@@ -741,7 +750,7 @@ class AdmissionController:
 
     def _admit_shadow(
         self, request: AdmissionRequest, cost: RequestCost | None, decision: Decision | None,
-        now: float,
+        now: float, plan: PrefixPlan,
     ) -> Ticket:
         verdict = Outcome.ADMITTED if decision is None else decision.outcome
         reported = decision or Decision(Outcome.ADMITTED, "enough KV headroom", None,
@@ -751,7 +760,8 @@ class AdmissionController:
             cost = self.cost_model.cost(request.prompt_tokens, max(0, (request.max_tokens or 0)),
                                         request.sequences)
         ticket = self._start(request, cost, now, queue_wait_s=0.0,
-                             predicted_ttft_s=cost.prefill_s, shadow_outcome=verdict)
+                             predicted_ttft_s=cost.prefill_s, shadow_outcome=verdict,
+                             plan=plan)
         self._report(self._admitted_decision(ticket))
         return ticket
 

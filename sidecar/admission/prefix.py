@@ -47,19 +47,29 @@ from typing import Protocol
 
 ROOT_KEY = b"kvgate-prefix-root"
 _KEY_BYTES = 16
-_TOKEN_BYTES = 8  # each token id as a signed 64-bit integer ("q")
+TOKEN_BYTES = 8  # each token id as a signed 64-bit integer ("q")
 
 
 def block_keys(token_ids: Sequence[int], block_size: int, salt: bytes = b"") -> tuple[bytes, ...]:
     """One key per full block of `token_ids`, each chained on its parent's key."""
     if block_size < 1:
         raise ValueError("block size must be >= 1")
-    keys: list[bytes] = []
-    parent = salt or ROOT_KEY
-    # Every block's bytes from one conversion of the ids, not one per block.
-    data = array("q", token_ids).tobytes()
-    step = block_size * _TOKEN_BYTES
-    for start in range(0, len(data) - step + 1, step):
+    return extend_keys((), token_bytes(token_ids), block_size, salt)
+
+
+def token_bytes(token_ids: Sequence[int]) -> bytes:
+    """The ids as the bytes block keys hash (every block's from one conversion)."""
+    return array("q", token_ids).tobytes()
+
+
+def extend_keys(known: tuple[bytes, ...], data: bytes, block_size: int,
+                salt: bytes = b"") -> tuple[bytes, ...]:
+    """The keys of every full block of `data` (`token_bytes` of a prompt), given
+    `known`, the keys of its first len(known) blocks: only the rest are hashed."""
+    keys = list(known)
+    parent = known[-1] if known else (salt or ROOT_KEY)
+    step = block_size * TOKEN_BYTES
+    for start in range(len(known) * step, len(data) - step + 1, step):
         parent = _chained(parent, data[start:start + step])
         keys.append(parent)
     return tuple(keys)

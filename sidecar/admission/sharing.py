@@ -20,8 +20,8 @@ from sidecar.admission.prefix import (
     PrefixPlan,
     ServerCache,
     TrafficCache,
-    block_keys,
 )
+from sidecar.admission.recent_keys import RecentKeys
 from sidecar.model import KVLayout
 
 
@@ -31,6 +31,7 @@ class PromptSharing:
         self.traffic_cache = TrafficCache()
         self.event_cache: EventCache | None = None
         self.index: PrefixIndex | None = None
+        self.recent_keys: RecentKeys | None = None
         self._enabled = True
         self._layout = layout
         # Since when kvgate has been waiting for KV cache events: it admitted a request
@@ -73,6 +74,8 @@ class PromptSharing:
         if not self._enabled or block_size is None:
             self.index = None
             return
+        if self.recent_keys is None or self.recent_keys.block_size != block_size:
+            self.recent_keys = RecentKeys(block_size)
         server: ServerCache = self.traffic_cache
         if self.event_cache is not None and self.event_cache.block_size == block_size:
             server = self.event_cache
@@ -84,9 +87,9 @@ class PromptSharing:
 
     def keys(self, token_ids: Sequence[int], salt: bytes = b"") -> tuple[bytes, ...]:
         """Keys of a prompt's full blocks, or () when the server shares none."""
-        if self.index is None:
+        if self.index is None or self.recent_keys is None:
             return ()
-        return block_keys(token_ids, self.index.block_size, salt)
+        return self.recent_keys.keys(token_ids, salt)
 
     def plan(self, keys: tuple[bytes, ...], prompt_tokens: int, sequences: int) -> PrefixPlan:
         """What a request shares now (requests forking several sequences: nothing)."""

@@ -18,7 +18,7 @@ import contextlib
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +60,14 @@ def _payload_chars(payload: Mapping[str, Any]) -> int:
     return total + len(str(payload.get("tools") or ""))
 
 
+def _cache_key(payload: Mapping[str, Any]) -> Hashable:
+    """What identifies a payload's tokens: its items when every value is a string, a
+    boolean or None (a completion's), else its JSON with sorted keys."""
+    if all(value is None or isinstance(value, str | bool) for value in payload.values()):
+        return tuple(sorted(payload.items()))
+    return json.dumps(payload, sort_keys=True, default=str)
+
+
 class PromptCounter:
     def __init__(self, metrics: SidecarMetrics, *, check_every: int = 100,
                  first_checks: int = 3, log_prompts: bool = False) -> None:
@@ -71,7 +79,7 @@ class PromptCounter:
         self.log_prompts = log_prompts
         self._loading: asyncio.Task[None] | None = None
         self._checks: set[asyncio.Task[None]] = set()
-        self._recent: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._recent: OrderedDict[Hashable, tuple[int, ...]] = OrderedDict()
 
     # ---- the tokenizer files ----------------------------------------------------------
 
@@ -146,7 +154,7 @@ class PromptCounter:
         except UpstreamError as exc:
             token_ids = None
             self.metrics.tokenize_fallback.inc()
-            self.metrics.prompt_tokens_counted.labels("estimate").inc()
+            self.metrics.counted_by["estimate"].inc()
             # The server's error text may quote the prompt: logged only with --log-prompts.
             log.debug("tokenize failed (%s); estimating",
                       exc if self.log_prompts else f"{exc.kind} error")
@@ -186,7 +194,7 @@ class PromptCounter:
                 self._check_later(shape, payload, local, client, request_id))
             self._checks.add(task)
             task.add_done_callback(self._checks.discard)
-        self.metrics.prompt_tokens_counted.labels("local").inc()
+        self.metrics.counted_by["local"].inc()
         return len(local), local
 
     async def _check_now(self, tokenizer: LocalTokenizer, shape: str,
@@ -213,8 +221,7 @@ class PromptCounter:
     async def _local(self, tokenizer: LocalTokenizer,
                      payload: Mapping[str, Any]) -> tuple[int, ...]:
         chars = _payload_chars(payload)
-        key = json.dumps(payload, sort_keys=True, default=str) if chars <= CACHED_CHARS \
-            else None
+        key = _cache_key(payload) if chars <= CACHED_CHARS else None
         if key is not None:
             cached = self._recent.get(key)
             if cached is not None:
@@ -236,7 +243,7 @@ class PromptCounter:
         if client is None:
             raise UpstreamError("connect", "no upstream client")
         tokenized = await client.tokenize(payload, request_id)
-        self.metrics.prompt_tokens_counted.labels("server").inc()
+        self.metrics.counted_by["server"].inc()
         return tokenized.count, tokenized.token_ids
 
     def _compare(self, shape: str, local: tuple[int, ...],

@@ -71,6 +71,10 @@ log = logging.getLogger("kvgate")
 # down from the live server's own timings (efficiencies can only lower a peak).
 GENERIC_DEVICE = custom_gpu(80, 8000, 2250, name="generic (no --gpu given)")
 CALIBRATION_PERIOD_S = 1.0
+# The spread's factors (p50, p90) move with every completed request; predictions take
+# them at most this late: rebuilt at a completion or before a decision once this long
+# has passed since the last rebuild (not at every completion).
+SPREAD_PERIOD_S = 0.05
 CALIBRATION_CHANGE = 0.02
 
 
@@ -151,6 +155,8 @@ class Services:
         self.idle.set()
         self._typical_tokens: float | None = None
         self._calibration_applied_at = -math.inf
+        self._spread_dirty = False
+        self._spread_applied_at = -math.inf
         self._health_logged: set[str] = set()
         self.kv_events: KVEventSubscriber | None = None
         self.event_cache: EventCache | None = None
@@ -454,6 +460,7 @@ class Services:
 
     def _spread(self) -> LatencySpread:
         """The p50 and p90 factors calibration measured (the priors without it)."""
+        self._spread_dirty = False
         if self.calibrator is None:
             return LatencySpread()
         spread = self.calibrator.spread
@@ -500,8 +507,17 @@ class Services:
         is running (a long step of kvgate's own requests keeps the observed use)."""
         return server_idle(view) and (self.controller is None or self.controller.inflight == 0)
 
+    def _apply_spread(self, now: float) -> None:
+        """The spread's latest factors on the predictions, when they moved and the last
+        rebuild is SPREAD_PERIOD_S old."""
+        if (self._spread_dirty and self.controller is not None
+                and now - self._spread_applied_at >= SPREAD_PERIOD_S):
+            self.controller.cost_model.spread = self._spread()
+            self._spread_applied_at = now
+
     def refresh(self) -> None:
         """Re-evaluate staleness between scrapes (called before decisions that matter)."""
+        self._apply_spread(self.clock())
         if self.watcher is not None and self.controller is not None:
             self._update_prefix_source()
             state = self._server_state(self.watcher.view)
@@ -553,8 +569,8 @@ class Services:
         if tpot is not None:
             calibrator.spread.observe("tpot", tpot, cost.tpot_model_s, cost.load_bucket,
                                       cost.model_inputs)
-        if self.controller is not None:
-            self.controller.cost_model.spread = self._spread()
+        self._spread_dirty = True
+        self._apply_spread(self.clock())
         # Deflate by the others' prefill load: the lines fit the engine's own speed.
         load = self.controller.prefill_load if self.controller else None
         now_running = self.controller.inflight if self.controller else 0
