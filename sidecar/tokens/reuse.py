@@ -51,6 +51,10 @@ MAX_TOTAL_CHARS = 2_000_000
 FIRST_CHECKS = 4
 CHECK_EVERY = 64
 MAX_PENDING_CHECKS = 16
+# Where the window and the kept tokens agree, the join is made this many agreeing
+# tokens before the end of the kept tokens used (any point of an agreeing stretch gives
+# the same ids, so the walk back stops there).
+JOIN_AGREEMENT_TOKENS = 16
 
 Ids = tuple[int, ...]
 Offsets = Sequence[tuple[int, int]]
@@ -69,10 +73,25 @@ class _Kept:
     # offsets costs ~40% more than without).
     starts: array[int] | None = None
     ends: array[int] | None = None
+    # A joined text's offsets, made on its first reuse: the kept text's starts and ends
+    # up to the joint, the window's offsets past it, and where the window starts.
+    pending: tuple[array[int], array[int], Offsets, int] | None = None
     anchor: tuple[bool, str] = field(init=False)
 
     def __post_init__(self) -> None:
         self.anchor = (self.special, self.text[:ANCHOR_CHARS])
+
+    def offsets_from_join(self) -> bool:
+        """Make `starts` and `ends` from a join's parts; False when there are none."""
+        if self.pending is None:
+            return False
+        starts, ends, window, window_start = self.pending
+        starts = starts[:]
+        ends = ends[:]
+        starts.extend([start + window_start for start, _ in window])
+        ends.extend([end + window_start for _, end in window])
+        self.starts, self.ends, self.pending = starts, ends, None
+        return True
 
 
 def common_prefix_chars(a: str, b: str) -> int:
@@ -142,7 +161,9 @@ class PrefixReuse:
             if best is not None and not text.startswith(kept.text[:best[1] + 1]):
                 continue  # differs within the best common prefix found so far
             common = common_prefix_chars(text, kept.text)
-            if best is None or common > best[1]:
+            if best is None or common > best[1] or (
+                    # As long a prefix: one whose offsets are made already.
+                    common == best[1] and best[0].starts is None and kept.starts is not None):
                 best = (kept, common)
         if best is None or best[1] < MIN_REUSE_CHARS:
             return None
@@ -151,7 +172,7 @@ class PrefixReuse:
     def _joined(self, kept: _Kept, common: int, text: str) -> _Kept | None:
         """The new text's tokens: the kept text's up to a boundary where a window of
         the new text encoded alone agrees with them; None when they never agree."""
-        if kept.starts is None or kept.ends is None:
+        if (kept.starts is None or kept.ends is None) and not kept.offsets_from_join():
             ids, offsets = self._encode_with_offsets(kept.text, kept.special)
             if ids != kept.ids:
                 # The two ways of encoding disagree: nothing is joined from then on.
@@ -160,6 +181,7 @@ class PrefixReuse:
             kept.starts = array("q", (start for start, _ in offsets))
             kept.ends = array("q", (end for _, end in offsets))
         starts, ends = kept.starts, kept.ends
+        assert starts is not None and ends is not None
         if kept.special and len(ends) and ends[-1] == 0:
             return None  # the tokenizer adds tokens at the end: not joinable
         settled = common - MARGIN_CHARS  # kept tokens ending by here are the new text's too
@@ -173,11 +195,11 @@ class PrefixReuse:
         window_ids, window_offsets = self._encode_with_offsets(text[window_start:], False)
         # The window's tokens that end by `settled`, against the kept ones: walk back from
         # the last of each while they agree (same id, same place).
-        w = bisect.bisect_right([end for _, end in window_offsets],
-                                settled - window_start)
+        w = bisect.bisect_right(window_offsets, settled - window_start,
+                                key=lambda offset: offset[1])
         k = last
         agreed = 0
-        while w > 0 and k > first:
+        while w > 0 and k > first and agreed < JOIN_AGREEMENT_TOKENS:
             w_start, w_end = window_offsets[w - 1]
             if (window_ids[w - 1] != kept.ids[k - 1] or w_start + window_start != starts[k - 1]
                     or w_end + window_start != ends[k - 1]):
@@ -193,12 +215,8 @@ class PrefixReuse:
             if agreed == 1:
                 return None
             w, k = 1, k + 1
-        starts_out = starts[:k]
-        ends_out = ends[:k]
-        starts_out.extend([start + window_start for start, _ in window_offsets[w:]])
-        ends_out.extend([end + window_start for _, end in window_offsets[w:]])
-        return _Kept(text, kept.special, kept.ids[:k] + tuple(window_ids[w:]), starts_out,
-                     ends_out)
+        return _Kept(text, kept.special, kept.ids[:k] + tuple(window_ids[w:]),
+                     pending=(starts[:k], ends[:k], window_offsets[w:], window_start))
 
     def _checked(self, ids: Ids, text: str, special: bool) -> bool:
         """Whether joined `ids` may be used: the first joins, and one in `CHECK_EVERY`
