@@ -74,8 +74,9 @@ class _Kept:
     starts: array[int] | None = None
     ends: array[int] | None = None
     # A joined text's offsets, made on its first reuse: the kept text's starts and ends
-    # up to the joint, the window's offsets past it, and where the window starts.
-    pending: tuple[array[int], array[int], Offsets, int] | None = None
+    # (never changed once made), how many of them it keeps, the window's offsets past
+    # the joint, and where the window starts.
+    pending: tuple[array[int], array[int], int, Offsets, int] | None = None
     anchor: tuple[bool, str] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -85,9 +86,8 @@ class _Kept:
         """Make `starts` and `ends` from a join's parts; False when there are none."""
         if self.pending is None:
             return False
-        starts, ends, window, window_start = self.pending
-        starts = starts[:]
-        ends = ends[:]
+        kept_starts, kept_ends, joint, window, window_start = self.pending
+        starts, ends = kept_starts[:joint], kept_ends[:joint]
         starts.extend([start + window_start for start, _ in window])
         ends.extend([end + window_start for _, end in window])
         self.starts, self.ends, self.pending = starts, ends, None
@@ -216,7 +216,7 @@ class PrefixReuse:
                 return None
             w, k = 1, k + 1
         return _Kept(text, kept.special, kept.ids[:k] + tuple(window_ids[w:]),
-                     pending=(starts[:k], ends[:k], window_offsets[w:], window_start))
+                     pending=(starts, ends, k, window_offsets[w:], window_start))
 
     def _checked(self, ids: Ids, text: str, special: bool) -> bool:
         """Whether joined `ids` may be used: the first joins, and one in `CHECK_EVERY`
