@@ -287,6 +287,25 @@ def test_unavailable_and_draining() -> None:
     run(scenario())
 
 
+def test_a_finished_request_leaves_the_effective_use_at_once() -> None:
+    ctl = controller(num_blocks=64)
+
+    async def scenario() -> None:
+        ticket = await admit(ctl, prompt_tokens=100, max_tokens=60)
+        # A scrape: the server holds 20 blocks more than kvgate's request explains.
+        ctl.update_server(ServerState(available=True, used_blocks=20))
+        ledger = ctl.state()["ledger"]
+        before = ledger["effective_used_blocks"]  # type: ignore[index]
+        held = ticket.reserved_blocks  # type: ignore[attr-defined]
+        assert before >= held + 10
+        ticket.finish()  # type: ignore[attr-defined]
+        after = ctl.state()["ledger"]["effective_used_blocks"]  # type: ignore[index]
+        assert after == before - held  # not at the next scrape
+        assert ctl.ledger.reserved_blocks == 0 and after > 0  # the others' use stays
+
+    run(scenario())
+
+
 def test_server_capacity_overrides_the_model_and_observed_use_is_pessimistic() -> None:
     ctl = controller(num_blocks=64)
 

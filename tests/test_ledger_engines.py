@@ -152,3 +152,33 @@ def test_the_proxy_pins_the_request_to_its_engine() -> None:
     assert pinned["X-Data-Parallel-Rank"] == "1"
     assert "x-data-parallel-rank" not in _engine_pinned(CIMultiDict(), services(1), ticket)
     assert "x-data-parallel-rank" not in _engine_pinned(CIMultiDict(), services(2), None)
+
+
+def test_what_kvgate_reserves_or_releases_counts_before_the_next_observation() -> None:
+    ledger = Ledger(100, target_ratio=1.0)
+    first = ledger.reserve(30)
+    second = ledger.reserve(10)
+    ledger.observe(used_blocks=35, growth_blocks=15)  # 50 at the peak: 10 held by others
+    assert ledger.effective_used_blocks == 50
+    second.release()
+    assert ledger.effective_used_blocks == 40  # gone now, not at the next observation
+    third = ledger.reserve(20)
+    assert ledger.effective_used_blocks == 60  # the others' 10 beside kvgate's 50
+    assert ledger.headroom_blocks == 40
+    ledger.observe(used_blocks=20, growth_blocks=0)  # below the reservations (prefix hits)
+    assert ledger.effective_used_blocks == ledger.reserved_blocks == 50
+    first.release()
+    third.release()
+    assert ledger.effective_used_blocks == 0
+    ledger.observe(used_blocks=None)
+    assert ledger.effective_used_blocks == 0
+
+
+def test_each_engines_use_follows_its_reservations_between_observations() -> None:
+    ledger = Ledger(100, target_ratio=1.0, engines=2)
+    held = ledger.reserve(10, engine=0)
+    ledger.observe(used_blocks=50, growth_blocks=20)
+    assert ledger.snapshot().engine_used_blocks == (60, 60)
+    held.release()  # engine 0's 10 were kvgate's: the others' 50 stay until observed again
+    assert ledger.snapshot().engine_used_blocks == (50, 60)
+    assert ledger.place(45) == 0

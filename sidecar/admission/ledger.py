@@ -14,9 +14,12 @@ request has been prefilled is marked `filled` (its blocks are then in the server
 prefix cache, which `prefix.TrafficCache` models).
 
 Headroom reconciles what kvgate reserved with what the server reports it really
-uses: the effective use is the larger of the reservations and the observed use
-plus the growth still to come for the running requests (prefix-cache hits make the
-observed use lower; traffic that bypasses the sidecar makes it higher).
+uses: at an observation, the effective use is the larger of the reservations and the
+observed use plus the growth still to come for the running requests (prefix-cache hits
+make the observed use lower; traffic that bypasses the sidecar makes it higher). The
+excess of the second over the first is taken as held by others until the next
+observation, while kvgate's own part follows its reservations as they are made and
+released: the effective use is the reservations now plus that excess.
 
 Data parallelism (`engines` > 1, vLLM's --data-parallel-size): every engine has its
 own pool of `capacity_blocks` blocks and a request runs on one engine, so it must fit
@@ -123,6 +126,8 @@ class Ledger:
         self._overcommit = 0
         self.observed_used_blocks: int | None = None
         self.observed_growth_blocks = 0
+        # What the last observation showed beyond the reservations then (per engine).
+        self._excess_by_engine = [0] * engines
         self.blocks_per_key = 1
         self._holders: dict[bytes, int] = {}
         self._engine_holders: list[dict[bytes, int]] = [{} for _ in range(engines)]
@@ -209,6 +214,16 @@ class Ledger:
         """The server's own KV use and the growth its running requests still have."""
         self.observed_used_blocks = used_blocks
         self.observed_growth_blocks = max(0, growth_blocks)
+        if used_blocks is None:
+            self._excess_by_engine = [0] * self.engines
+            return
+        if self.engines == 1:
+            self._excess_by_engine = [max(0, used_blocks + self.observed_growth_blocks
+                                          - self.reserved_blocks)]
+            return
+        growth = -(-self.observed_growth_blocks // self.engines)  # the engines' average
+        self._excess_by_engine = [max(0, used_blocks + growth - self._engine_reserved(e))
+                                  for e in range(self.engines)]
 
     # ---- questions -----------------------------------------------------------------
 
@@ -251,18 +266,14 @@ class Ledger:
         with data parallelism 1)."""
         if self.engines > 1:
             return self._engine_used(max(range(self.engines), key=self._engine_headroom))
-        reserved = self.reserved_blocks
-        if self.observed_used_blocks is None:
-            return reserved
-        return max(reserved, self.observed_used_blocks + self.observed_growth_blocks)
+        return self.reserved_blocks + self._excess_by_engine[0]
+
+    def _engine_reserved(self, engine: int) -> int:
+        return (self._reserved_by_engine[engine]
+                + len(self._engine_holders[engine]) * self.blocks_per_key)
 
     def _engine_used(self, engine: int) -> int:
-        reserved = (self._reserved_by_engine[engine]
-                    + len(self._engine_holders[engine]) * self.blocks_per_key)
-        if self.observed_used_blocks is None:
-            return reserved
-        growth = -(-self.observed_growth_blocks // self.engines)
-        return max(reserved, self.observed_used_blocks + growth)
+        return self._engine_reserved(engine) + self._excess_by_engine[engine]
 
     def _engine_headroom(self, engine: int) -> int:
         return self.target_blocks - self._engine_used(engine)
