@@ -170,7 +170,8 @@ def unread_in_kernels(proxy: FaultProxy, sidecar_port: int, client_port: int) ->
 
 
 async def test_slow_reader_is_backpressured_not_buffered(big_kv_vllm: VllmServer) -> None:
-    # 32 sequences of 900 tokens: a ~6.8 MB stream, more than the kernel's socket
+    # 32 sequences of 900 tokens: a 6-7 MB stream (the random model's sampled tokens
+    # vary in length from run to run: 5.9-6.8 MB seen), more than the kernel's socket
     # buffers on the way take.
     body = {"model": "tiny-llama", "prompt": "hi", "max_tokens": 900, "n": 32,
             "stream": True, "ignore_eos": True}
@@ -209,7 +210,7 @@ async def test_slow_reader_is_backpressured_not_buffered(big_kv_vllm: VllmServer
         print(f"slow reader: {taken} of {total} bytes taken from vLLM while the client read "
               f"nothing, {held} of them held by kvgate; kvgate RSS "
               f"{before['rss_bytes'] >> 20} -> {during['rss_bytes'] >> 20} MiB")
-        assert total > 6_000_000 and b"data: [DONE]" in received
+        assert total > 4_000_000 and b"data: [DONE]" in received
         assert len(received) > total  # all of it, in chunked framing
         assert taken < total / 2
         assert held < 3 << 19, held  # 1.5 MiB
