@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from sidecar.admission import (
     AdmissionRequest,
-    CostModel,
     Decision,
     Mode,
     Outcome,
@@ -22,7 +21,7 @@ from sidecar.admission.forecast import Holding, holdings_peak, steps_until_room
 from sidecar.admission.room import KVRoom, RunningHoldings
 from sidecar.admission.wait_ratio import MIN_SAMPLES
 
-from support.admission_fixtures import FakeClock, FakeClockLoop, controller, tiny_served
+from support.admission_fixtures import FakeClock, FakeClockLoop, controller
 
 
 class Recorder:
@@ -303,27 +302,6 @@ def test_a_finished_request_leaves_the_effective_use_at_once() -> None:
         after = ctl.state()["ledger"]["effective_used_blocks"]  # type: ignore[index]
         assert after == before - held  # not at the next scrape
         assert ctl.ledger.reserved_blocks == 0 and after > 0  # the others' use stays
-
-    run(scenario())
-
-
-def test_a_new_cost_model_does_not_observe_the_last_scrape_again() -> None:
-    """Recalibration replaces the cost model between scrapes: the scrape's use was
-    taken against the requests running then, and a request that finished since must
-    not come back as others' use."""
-    ctl = controller(num_blocks=64)
-
-    async def scenario() -> None:
-        ticket = await admit(ctl, prompt_tokens=100, max_tokens=60)
-        ctl.update_server(ServerState(available=True, used_blocks=12))  # a scrape
-        others = ctl.room.untracked_blocks
-        ticket.finish()  # type: ignore[attr-defined]
-        effective = ctl.ledger.effective_used_blocks
-        ctl.set_cost_model(CostModel(tiny_served(64)))
-        assert ctl.room.untracked_blocks == others
-        assert ctl.ledger.effective_used_blocks == effective
-        ctl.update_server(ServerState(available=True, used_blocks=0))  # the next scrape
-        assert ctl.room.untracked_blocks == 0 and ctl.ledger.effective_used_blocks == 0
 
     run(scenario())
 

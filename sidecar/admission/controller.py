@@ -212,7 +212,9 @@ class AdmissionController:
 
     def update_server(self, state: ServerState) -> None:
         self.server = state
-        self._apply_capacity()
+        capacity = self.capacity_blocks
+        if capacity is not None and capacity != self.ledger.capacity_blocks:
+            self.ledger.set_capacity(capacity)
         self.ledger.observe(state.used_blocks, self._growth_blocks())
         self.room.observe(state.used_blocks, list(self._running), self._server_progress,
                           self.clock())
@@ -240,17 +242,7 @@ class AdmissionController:
         self._model_capacity = capacity.usable_blocks if capacity else None
         self.sharing.set_layout(cost_model.served.layout)
         self.room.set_cost_model(cost_model)
-        # The server's use is the last scrape's, observed then: not observed again
-        # against the requests running now, which would count those that finished
-        # since as others' use (and those admitted since against it) until the next.
-        self._apply_capacity()
-        self._room_cache = None
-        self._dispatch()
-
-    def _apply_capacity(self) -> None:
-        capacity = self.capacity_blocks
-        if capacity is not None and capacity != self.ledger.capacity_blocks:
-            self.ledger.set_capacity(capacity)
+        self.update_server(self.server)
 
     def drain(self, timeout_s: float) -> None:
         """Stop admitting: new requests and waiting ones are refused."""
