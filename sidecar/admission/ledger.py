@@ -217,10 +217,6 @@ class Ledger:
         if used_blocks is None:
             self._excess_by_engine = [0] * self.engines
             return
-        if self.engines == 1:
-            self._excess_by_engine = [max(0, used_blocks + self.observed_growth_blocks
-                                          - self.reserved_blocks)]
-            return
         growth = -(-self.observed_growth_blocks // self.engines)  # the engines' average
         self._excess_by_engine = [max(0, used_blocks + growth - self._engine_reserved(e))
                                   for e in range(self.engines)]
