@@ -552,6 +552,54 @@ def test_server_use_that_kvgate_does_not_explain_is_held_until_the_next_scrape()
         loop.close()
 
 
+def test_requests_finished_after_the_scrape_was_sent_are_not_taken_for_others() -> None:
+    """A scrape describes the server at a moment after it was sent: requests kvgate
+    saw finish since may still be in its figure. Their blocks are not others' use held
+    until the next scrape; those of requests that finished before it was sent are."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock)
+    loop = FakeClockLoop(clock)
+    try:
+        # Two requests of 100 prompt tokens + 60 output: 7 blocks each now.
+        first = loop.run_until_complete(admit(ctl, prompt_tokens=100, max_tokens=60))
+        second = loop.run_until_complete(admit(ctl, prompt_tokens=100, max_tokens=60))
+        clock.advance(0.01)
+        sent = clock()
+        clock.advance(0.01)
+        first.finish()  # type: ignore[attr-defined]
+        # The scrape's answer comes: both still on the server, 14 blocks.
+        ctl.update_server(ServerState(used_blocks=14, running=2, waiting=0,
+                                      scraped_from_s=sent))
+        assert ctl.room.untracked_blocks == 0
+        assert ctl.state()["ledger"]["others_blocks"] == 0  # type: ignore[index]
+        assert ctl.ledger.snapshot().effective_used_blocks == ctl.ledger.reserved_blocks
+        waiting = loop.create_task(admit(ctl, prompt_tokens=100, max_tokens=60))
+        loop.run_until_complete(asyncio.sleep(0))
+        assert waiting.done()  # 10 + 10 <= 38: the finished request's blocks are free
+        # 30 blocks in use: as a scrape sent before the first request finished, and as
+        # one sent after it (then its 7 blocks are others').
+        clock.advance(0.01)
+        ctl.update_server(ServerState(used_blocks=30, scraped_from_s=sent))
+        early = ctl.room.untracked_blocks
+        assert early > 0
+        # The same scrape reporting no more requests than kvgate runs (2): the finished
+        # one is not among them.
+        ctl.update_server(ServerState(used_blocks=30, running=2, waiting=0,
+                                      scraped_from_s=sent))
+        assert ctl.room.untracked_blocks == early + 7
+        ctl.update_server(ServerState(used_blocks=30, scraped_from_s=clock()))
+        assert ctl.room.untracked_blocks == early + 7
+        assert ctl.state()["ledger"]["others_blocks"] == early + 7  # type: ignore[index]
+        # When the scrape does not say when it was sent: others' use.
+        ctl.update_server(ServerState(used_blocks=30))
+        assert ctl.room.untracked_blocks == early + 7
+        for ticket in (second, waiting.result()):
+            ticket.finish()  # type: ignore[attr-defined]
+        assert ctl.ledger.reserved_blocks == 0
+    finally:
+        loop.close()
+
+
 def test_a_request_without_streamed_tokens_is_not_taken_for_other_traffic() -> None:
     """A non-streamed request shows kvgate no token; the server generates for it all
     the same. Its output blocks are its own, not traffic kvgate does not see."""

@@ -39,6 +39,7 @@ from enum import StrEnum
 from typing import Protocol, cast
 
 from sidecar.admission.cost import CostModel, RequestCost
+from sidecar.admission.finished import RecentlyFinished
 from sidecar.admission.forecast import (
     Forecast,
     Holding,
@@ -119,6 +120,9 @@ class ServerState:
     used_blocks: int | None = None
     running: int | None = None
     waiting: int | None = None
+    # When the scrape behind these figures was sent (the controller's clock): they
+    # describe the server at a moment after it.
+    scraped_from_s: float | None = None
 
 
 class DecisionListener(Protocol):
@@ -174,6 +178,7 @@ class AdmissionController:
         self._outputs = LearnedQuantile(0.5, min_samples=20)
         self._keys = itertools.count(1)
         self._running = RunningSet()
+        self._recently_finished = RecentlyFinished(self.settings.engines)
         self.prefill_load = PrefillLoad()
         # How long the last admitted request was predicted to hold its KV: when nothing
         # kvgate admitted is running but the server's observed use leaves no room, the
@@ -215,9 +220,15 @@ class AdmissionController:
         capacity = self.capacity_blocks
         if capacity is not None and capacity != self.ledger.capacity_blocks:
             self.ledger.set_capacity(capacity)
-        self.ledger.observe(state.used_blocks, self._growth_blocks())
+        # The server's figure may still count requests kvgate saw finish since the
+        # scrape was sent: as many as it reports beyond those kvgate runs.
+        counted = _server_requests(state)
+        finished = self._recently_finished.since(
+            state.scraped_from_s, self.clock(),
+            None if counted is None else max(0, counted - len(self._running)))
+        self.ledger.observe(state.used_blocks, self._growth_blocks(), finished)
         self.room.observe(state.used_blocks, list(self._running), self._server_progress,
-                          self.clock())
+                          self.clock(), sum(finished))
         self._room_cache = None
         if not state.available:
             # Nothing can be sent until the server is back: tell the waiting clients now.
@@ -741,6 +752,9 @@ class AdmissionController:
     def _finished(self, ticket: Ticket, completed: bool) -> None:
         self._running.remove(ticket)
         self.sharing.release(ticket.reservation)
+        now = self.clock()
+        self._recently_finished.add(now, self._last_blocks(ticket, now),
+                                    ticket.reservation.engine)
         self.room.changed()
         if completed and ticket.output_tokens > 0:
             self.output_policy.observe(ticket.request.tenant, ticket.output_tokens)
@@ -816,6 +830,13 @@ class AdmissionController:
         once admitted: vLLM allocates a chunk's blocks when it schedules it)."""
         return self.cost_model.blocks_now(ticket.request.prompt_tokens, produced,
                                           ticket.request.sequences)
+
+    def _last_blocks(self, ticket: Ticket, now: float) -> int:
+        """Blocks the server may have held for a request kvgate just saw finish: its
+        own, and the prompt blocks no running request holds (once released)."""
+        still_held = sum(1 for key in ticket.reservation.keys if self.ledger.holders(key))
+        held = self._blocks_now(ticket, self._server_progress(ticket, now))
+        return max(0, held - still_held * self.ledger.blocks_per_key)
 
     def _growth_blocks(self) -> int:
         """Blocks the running requests still add before they finish (their reservation
@@ -976,6 +997,7 @@ class AdmissionController:
                 "overcommit_blocks": snapshot.overcommit_blocks,
                 "held_prompt_blocks": snapshot.held_prompt_blocks,
                 "room_blocks": self._room_blocks(),
+                "others_blocks": self.room.untracked_blocks,
             },
             "prefix": self.sharing.state(
                 sum(t.cost.shared_blocks for t in self._running)),
@@ -1010,3 +1032,10 @@ def _time_until(releases: list[tuple[float, int]], needed: int) -> float:
         if released >= needed:
             return at_s
     return math.inf
+
+
+def _server_requests(state: ServerState) -> int | None:
+    """The requests on the server (running and waiting) at its last scrape."""
+    if state.running is None or state.waiting is None:
+        return None
+    return state.running + state.waiting

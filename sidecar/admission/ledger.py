@@ -34,6 +34,7 @@ by load, not by KV room. The observed use is read as the engines' average.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -210,16 +211,21 @@ class Ledger:
             raise ValueError("KV capacity cannot be negative")
         self.capacity_blocks = capacity_blocks
 
-    def observe(self, used_blocks: int | None, growth_blocks: int = 0) -> None:
-        """The server's own KV use and the growth its running requests still have."""
+    def observe(self, used_blocks: int | None, growth_blocks: int = 0,
+                finished_blocks: Sequence[int] = ()) -> None:
+        """The server's own KV use and the growth its running requests still have;
+        `finished_blocks` (per engine): blocks the figure may still count for requests
+        that finished since the scrape was sent, not others' use."""
         self.observed_used_blocks = used_blocks
         self.observed_growth_blocks = max(0, growth_blocks)
         if used_blocks is None:
             self._excess_by_engine = [0] * self.engines
             return
         growth = -(-self.observed_growth_blocks // self.engines)  # the engines' average
-        self._excess_by_engine = [max(0, used_blocks + growth - self._engine_reserved(e))
-                                  for e in range(self.engines)]
+        finished = list(finished_blocks) + [0] * (self.engines - len(finished_blocks))
+        self._excess_by_engine = [
+            max(0, used_blocks + growth - finished[e] - self._engine_reserved(e))
+            for e in range(self.engines)]
 
     # ---- questions -----------------------------------------------------------------
 

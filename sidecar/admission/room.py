@@ -168,14 +168,15 @@ class KVRoom:
         return RunningHoldings(tuple(tickets), tuple(holdings), base, prefills, duration)
 
     def observe(self, used_blocks: int | None, tickets: Sequence[Ticket],
-                progress: Progress, now: float) -> None:
-        """The server's reported KV use at a scrape: what kvgate's running requests do
-        not explain is held by others until the next scrape."""
+                progress: Progress, now: float, finished_blocks: int = 0) -> None:
+        """The server's reported KV use at a scrape: what kvgate's running requests,
+        and those that finished since the scrape was sent (`finished_blocks`), do not
+        explain is held by others until the next scrape."""
         if used_blocks is None:
             self.untracked_blocks = 0
             return
         per_key = self.ledger.blocks_per_key
-        tracked = self.ledger.held_prompt_blocks
+        tracked = self.ledger.held_prompt_blocks + finished_blocks
         for ticket in tickets:
             request = ticket.request
             if ticket.first_token_s is not None:

@@ -500,6 +500,7 @@ class Services:
             used_blocks=metrics.used_blocks if metrics else None,
             running=metrics.running if metrics else None,
             waiting=metrics.waiting if metrics else None,
+            scraped_from_s=view.metrics_sent_at if metrics else None,
         )
 
     def _idle(self, view: UpstreamView) -> bool:

@@ -30,6 +30,7 @@ class UpstreamView:
     models: tuple[ModelInfo, ...] = ()
     metrics: ServerMetrics | None = None
     metrics_at: float | None = None  # monotonic time of the last good scrape
+    metrics_sent_at: float | None = None  # when that scrape was sent
     last_error: str | None = None
     consecutive_failures: int = 0
     restarts: int = 0  # times the server came back after being down
@@ -76,6 +77,7 @@ class UpstreamWatcher:
     async def poll_once(self) -> UpstreamView:
         before = self.view
         try:
+            sent = self.clock()
             metrics = await self.client.metrics()
             models = before.models
             if not before.up or not models:
@@ -87,6 +89,7 @@ class UpstreamWatcher:
                 models=models,
                 metrics=metrics,
                 metrics_at=now,
+                metrics_sent_at=sent,
                 last_error=None,
                 consecutive_failures=0,
                 restarts=before.restarts + (1 if before.metrics_at and not before.up else 0),
