@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
-# Kept at most this long when no scrape says from when it describes the server.
+# Kept at most this long (a scrape in flight longer is stale anyway).
 KEEP_S = 10.0
 
 
@@ -19,6 +19,8 @@ class RecentlyFinished:
 
     def add(self, at_s: float, blocks: int, engine: int = 0) -> None:
         """A request finished at `at_s`, the server holding up to `blocks` for it."""
+        while self._finished and self._finished[0][0] < at_s - KEEP_S:
+            self._finished.popleft()
         if blocks > 0:
             self._finished.append((at_s, blocks, min(max(engine, 0), self.engines - 1)))
 
