@@ -292,12 +292,15 @@ LAYOUT: list[tuple[Panel, int, int]] = [
         timeseries(
             "KV blocks: capacity, reserved, used, forecast",
             "KV cache blocks of the server: its capacity, what kvgate has reserved for "
-            "admitted requests, what the server reports in use, and kvgate's forecast peak "
-            "(forecast peak ratio x capacity). Forecast above capacity means preemptions.",
+            "admitted requests, what the server reports in use, the part of that use "
+            "kvgate's requests do not explain (traffic that bypasses kvgate), and kvgate's "
+            "forecast peak (forecast peak ratio x capacity). Forecast above capacity means "
+            "preemptions.",
             [
                 target(f"kvgate_kv_capacity_blocks{{{K}}}", "{{instance}} capacity"),
                 target(f"kvgate_kv_reserved_blocks{{{K}}}", "{{instance}} reserved"),
                 target(f"kvgate_kv_used_blocks{{{K}}}", "{{instance}} used"),
+                target(f"kvgate_kv_others_blocks{{{K}}}", "{{instance}} others' use"),
                 target(
                     f"kvgate_kv_forecast_peak_ratio{{{K}}} * kvgate_kv_capacity_blocks{{{K}}}",
                     "{{instance}} forecast peak",

@@ -73,6 +73,7 @@ class StateView:
     upstream_metrics_age_s: float
     server_waiting: int | None
     prefix: PrefixView | None = None
+    others_blocks: int | None = None  # server use kvgate's requests do not explain
 
 
 class SidecarMetrics:
@@ -249,6 +250,11 @@ class _StateCollector(Collector):
                     view.reserved_blocks)
         yield gauge("kvgate_kv_used_blocks", "KV blocks the server reports in use.",
                     view.used_blocks)
+        yield gauge("kvgate_kv_others_blocks",
+                    "KV blocks the server reported in use at its last scrape that kvgate's "
+                    "requests do not explain (traffic that bypasses kvgate), as admission "
+                    "counts them until the next scrape.",
+                    view.others_blocks)
         yield gauge("kvgate_kv_forecast_peak_ratio",
                     "Forecast peak KV use of running requests over capacity (> 1: preemption).",
                     view.forecast_peak_ratio)

@@ -831,6 +831,12 @@ class AdmissionController:
         return self.cost_model.blocks_now(ticket.request.prompt_tokens, produced,
                                           ticket.request.sequences)
 
+    @property
+    def others_blocks(self) -> int:
+        """The last scrape's use that kvgate's requests do not explain (traffic that
+        bypasses kvgate), counted as held until the next scrape."""
+        return self.room.untracked_blocks
+
     def _last_blocks(self, ticket: Ticket, now: float) -> int:
         """Blocks the server may have held for a request kvgate just saw finish: its
         own, and the prompt blocks no running request holds (once released)."""
@@ -997,7 +1003,7 @@ class AdmissionController:
                 "overcommit_blocks": snapshot.overcommit_blocks,
                 "held_prompt_blocks": snapshot.held_prompt_blocks,
                 "room_blocks": self._room_blocks(),
-                "others_blocks": self.room.untracked_blocks,
+                "others_blocks": self.others_blocks,
             },
             "prefix": self.sharing.state(
                 sum(t.cost.shared_blocks for t in self._running)),

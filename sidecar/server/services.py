@@ -634,6 +634,7 @@ class Services:
             upstream_metrics_age_s=view.metrics_age_s(now) if view else math.inf,
             server_waiting=metrics.waiting if metrics else None,
             prefix=self.prefix_view(view),
+            others_blocks=controller.others_blocks if metrics else None,
         )
 
     def prefix_view(self, view: UpstreamView | None) -> PrefixView | None:
