@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 
 from sidecar.calibration.fit import RobustFit
 from sidecar.calibration.health import health
+from sidecar.calibration.sample import RateSample
 from sidecar.calibration.spread import Spread
 from sidecar.calibration.store import CalibrationStore
 from sidecar.model import Efficiency, ServedModel
@@ -64,12 +65,16 @@ RATES = ("compute", "memory", "step", "sequence", "request")
 BOUNDS = [(1e-3, 1e7), (1e-3, 1e7), (0.0, 5.0), (0.0, 1.0), (0.0, 30.0)]
 _CONTEXT_BUCKET = 128
 SAVE_EVERY = 50
+# The sidecar's own requests learned from: all of them up to 50 a second (see sample).
+LEARN_PER_S = 50.0
+LEARN_BURST = 50.0
 
 
 class Calibrator:
     def __init__(self, store: CalibrationStore | None = None) -> None:
         self.store = store or CalibrationStore(None)
         self.spread = Spread()
+        self.sample = RateSample(LEARN_PER_S, LEARN_BURST)
         self._key: str | None = None
         self._prior: Efficiency | None = None
         self._fit: RobustFit | None = None
@@ -146,6 +151,15 @@ class Calibrator:
         return found
 
     # ---- observations -------------------------------------------------------------
+
+    def learns_from(self, now_s: float) -> bool:
+        """Whether to learn from the sidecar's request that completed at `now_s`
+        (`RateSample`); one left out still counts as the sidecar's own traffic since
+        the last scrape."""
+        if self.sample.take(now_s):
+            return True
+        self._own_since_scrape += 1
+        return False
 
     def observe_decode(self, served: ServedModel, batch: int, context: int, seconds: float,
                        weight: float = 1.0) -> None:
@@ -283,6 +297,7 @@ class Calibrator:
             "restarts_on_drift": self._fit.restarts,
             "decode_observations": self._counts["decode"],
             "prefill_observations": self._counts["prefill"],
+            "requests_left_out": self.sample.left_out,
             "saved_at": time.time(),
         }
 

@@ -547,7 +547,9 @@ class Services:
         token, as the client sees it; the prediction (`ticket.predicted_ttft_s`) is
         what was known at admission (prompt counting, queue wait) plus the predicted
         prefill. The calibration fits the part after admission, which the model
-        predicts. TPOT is the time per token after the first.
+        predicts. TPOT is the time per token after the first. The metrics take every
+        request; the calibration (fit and spread) a sample above 50 a second
+        (`Calibrator.learns_from`).
         """
         self._observe_request_size(ticket.request.prompt_tokens + output_tokens)
         if not streamed or first_token_at is None:
@@ -562,7 +564,7 @@ class Services:
         if tpot is not None:
             self.metrics.observed("tpot", tpot, ticket.predicted_tpot_s, cost.tpot_p90_s)
         calibrator, served = self.calibrator, self.served
-        if calibrator is None or served is None:
+        if calibrator is None or served is None or not calibrator.learns_from(ended_at):
             return
         # The spread of observed around the model's own prediction, as clients see it.
         calibrator.spread.observe("ttft", ttft - known_s, cost.prefill_model_s, cost.load_bucket,

@@ -1,0 +1,86 @@
+"""Calibration learns from every completed request up to 50 a second and from a
+sample spread evenly in time above that rate; the metrics still count every request."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from sidecar.admission import AdmissionRequest
+from sidecar.calibration.calibrator import LEARN_BURST, LEARN_PER_S
+from sidecar.calibration.sample import RateSample
+from sidecar.server.services import Services
+from sidecar.server.settings import ServeSettings
+
+from support.admission_fixtures import FakeClock, controller, tiny_served
+
+
+def test_every_request_is_taken_below_the_rate() -> None:
+    sample = RateSample(per_s=10.0, burst=5.0)
+    # 9 a second for a minute, then a burst of 5 at once after a pause.
+    taken = [sample.take(i / 9.0) for i in range(540)]
+    taken += [sample.take(61.0) for _ in range(5)]
+    assert all(taken)
+    assert sample.taken == 545 and sample.left_out == 0
+
+
+def test_above_the_rate_the_sample_is_the_rate_spread_evenly() -> None:
+    sample = RateSample(per_s=10.0, burst=5.0)
+    times = [i / 1000.0 for i in range(20_000)]  # 1,000 a second for 20 s
+    taken = [t for t in times if sample.take(t)]
+    assert len(taken) == pytest.approx(5 + 10 * 20, abs=1)
+    assert sample.left_out == len(times) - len(taken)
+    # After the burst, one every 0.1 s: no second of the run is missed or crowded.
+    per_second = [sum(1 for t in taken if s <= t < s + 1) for s in range(1, 20)]
+    assert set(per_second) <= {9, 10, 11}
+
+
+def test_a_clock_that_goes_back_adds_nothing() -> None:
+    sample = RateSample(per_s=10.0, burst=1.0)
+    assert sample.take(100.0)
+    assert not sample.take(50.0)  # earlier: no tokens for the time "between"
+    assert not sample.take(100.05)
+    assert sample.take(100.1)
+
+
+@pytest.mark.parametrize(("per_s", "burst"), [(0.0, 1.0), (-1.0, 1.0), (1.0, 0.5)])
+def test_bad_settings_are_refused(per_s: float, burst: float) -> None:
+    with pytest.raises(ValueError, match="per_s|burst"):
+        RateSample(per_s, burst)
+
+
+async def test_a_busy_server_calibrates_on_a_sample_and_its_metrics_count_all() -> None:
+    clock = FakeClock()
+    services = Services(ServeSettings(upstream="http://127.0.0.1:9"), CollectorRegistry(),
+                        arch=None, gpu=None, version="test")
+    services.clock = clock
+    services.controller = controller(clock=clock)
+    services.served = tiny_served()
+    calibrator = services.calibrator
+    assert calibrator is not None
+    registry = services.metrics.registry
+    completed = 600
+    for _ in range(completed):  # 600 streamed requests in 2 s
+        ticket = await services.controller.admit(AdmissionRequest(100, 8))
+        started = clock()
+        ttft = ticket.cost.prefill_model_s
+        ticket.finish(8)
+        services.observe_completion(
+            ticket, streamed=True, arrived_at=started, sent_at=started,
+            first_token_at=started + ttft, ended_at=started + ttft + 0.01,
+            output_tokens=8, batch_at_start=0)
+        clock.advance(2.0 / completed)
+    learned = LEARN_BURST + LEARN_PER_S * 2.0
+    status = calibrator.status(services.served)
+    assert status["prefill_observations"] == pytest.approx(learned, abs=1)
+    assert status["decode_observations"] == pytest.approx(learned, abs=1)
+    assert status["requests_left_out"] == completed - calibrator.sample.taken
+    assert calibrator.spread.status()["ttft"]["samples"] <= learned + 1
+    # Every request is in the predicted-vs-observed metrics.
+    assert registry.get_sample_value("kvgate_observed_ttft_seconds_count") == completed
+    # Requests left out are still the sidecar's own traffic (a learned one counts its
+    # two observations): the next scrape's histograms are not taken for traffic that
+    # bypassed it.
+    taken, left_out = calibrator.sample.taken, calibrator.sample.left_out
+    assert taken + left_out == completed
+    assert calibrator._own_since_scrape == 2 * taken + left_out
