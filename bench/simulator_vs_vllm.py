@@ -6,15 +6,18 @@
 
 1. Calibration, on a separate warm-up: a real vLLM CPU server (`small-llama`, the
    CPU's rough figures as a custom device) is sent mixed-length streamed requests in
-   closed loops of 1, 2, 4 and 8 clients (after 10 requests not kept); the engine's
+   closed loops of 1, 2, 4 and 8 clients (after a pass over the same loops that is not
+   kept: a cold server's first batches of each shape run slower); the engine's
    costs (per step, per sequence in a step, per request, and the prefill's share of
    peak FLOP/s) are fitted so that the simulator, replaying those requests, gives their
    median TTFT and TPOT (`fit_efficiency`: physics terms, four numbers for the server,
    none per workload).
 2. Measurement, straight to vLLM: closed loops at c = 1, 2, 4, 8, 16, 32 with fixed and
    with mixed lengths, open-loop bursts (all requests at once; fixed and mixed) and a
-   Poisson open loop. Every prompt starts with a unique head (no prefix-cache hits); the client
-   records each request's send time, first token, last token and prompt tokens (usage).
+   Poisson open loop at 0.6 of the rate the warm-up's 8 clients completed (the same
+   load on a fast and a slow machine). Every prompt starts with a unique head (no
+   prefix-cache hits); the client records each request's send time, first token, last
+   token and prompt tokens (usage).
 3. Prediction of the same requests: the simulator replays them (each closed-loop
    client's own requests in its order; the open loops' measured send times) on the
    server's settings (max_num_seqs, token budget, KV blocks); the old closed form
@@ -404,14 +407,30 @@ def fit_efficiency(shape: ServerShape, warmups: Sequence[tuple[int, Sequence[Obs
     return replace(base.efficiency, **values)
 
 
+# The Poisson open loop's rate, as a share of what the server completed in the warm-up's
+# largest closed loop: the same load on a fast and a slow machine (a fixed rate was 0.7
+# of one 2-core machine's capacity and 1.3x another's, where the queue grows without
+# bound and TTFT depends on the run's length more than on any model).
+POISSON_LOAD = 0.6
+
+
+def warmup_rate(observed: Sequence[Observed]) -> float:
+    """Requests completed per second over a closed loop."""
+    done = [s for s in observed if s.last_s is not None]
+    span = max(s.last_s or 0.0 for s in done) - min(s.sent_s for s in done)
+    return len(done) / span if span > 0 else 0.0
+
+
 async def warm_up(url: str, model: str, requests: int, fixed: Shape,
                   seed: int) -> list[tuple[int, list[Observed]]]:
     """Mixed-length closed loops of 1, 2, 4 and 8 clients: the calibration's data,
-    after a few requests that are not kept (a server's first requests run slower)."""
+    after a pass over the same loops that is not kept (a server's first requests of
+    each batch shape run slower: measured, a warm-up without that pass fitted a server
+    ~1.5x slower than the one measured after it)."""
     rng = random.Random(seed + 1)
-    for clients in (1, 4):
-        await closed_loop(url, model, shapes(2 * clients, True, rng, fixed), clients,
-                          8_000_000 + clients * 10_000)
+    for clients in (1, 2, 4, 8):
+        await closed_loop(url, model, shapes(max(2 * clients, requests // 8), True, rng, fixed),
+                          clients, 8_000_000 + clients * 10_000)
     out = []
     for clients in (1, 2, 4, 8):
         work = shapes(max(2 * clients, requests // 4), True, rng, fixed)
@@ -445,10 +464,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       args.seed))
         fitted = fit_efficiency(shape, warmups)
         efficiency = fitted.as_dict()
+        capacity = warmup_rate(warmups[-1][1])
+        rate = round(POISSON_LOAD * capacity, 2)
         results = asyncio.run(measure_all(
             server.url, shape, fitted, levels,
             12 if args.smoke else 24, fixed, args.seed, mixed_too=not args.smoke,
-            burst=16 if args.smoke else 32, rate=4.0, rate_requests=24 if args.smoke else 48,
+            burst=16 if args.smoke else 32, rate=rate, rate_requests=24 if args.smoke else 48,
             control=True, server_pid=server.pid))
     finally:
         server.stop()
@@ -459,7 +480,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for key in ("ttft_s", "tpot_s")}
     record["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     record.update({"model": model, "server": vars(shape), "fixed_lengths": vars(fixed),
-                   "efficiency": efficiency, "workloads": results,
+                   "efficiency": efficiency,
+                   "poisson": {"rate_per_s": rate, "warmup_capacity_per_s": round(capacity, 3),
+                               "load": POISSON_LOAD},
+                   "workloads": results,
                    "within_targets": within_targets(results),
                    "seconds": round(time.time() - started, 1)})
     if args.out:
