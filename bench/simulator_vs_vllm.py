@@ -408,7 +408,7 @@ def fit_efficiency(shape: ServerShape, warmups: Sequence[tuple[int, Sequence[Obs
 
 
 # The Poisson open loop's rate, as a share of what the server completed in the warm-up's
-# largest closed loop: the same load on a fast and a slow machine (a fixed rate was 0.7
+# largest closed loop: the same load on a fast and a slow machine (a fixed rate was 0.8
 # of one 2-core machine's capacity and 1.3x another's, where the queue grows without
 # bound and TTFT depends on the run's length more than on any model).
 POISSON_LOAD = 0.6
