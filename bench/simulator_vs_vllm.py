@@ -464,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                       args.seed))
         fitted = fit_efficiency(shape, warmups)
         efficiency = fitted.as_dict()
-        capacity = warmup_rate(warmups[-1][1])
+        capacity = warmup_rate(max(warmups, key=lambda loop: loop[0])[1])  # 8 clients
         rate = round(POISSON_LOAD * capacity, 2)
         results = asyncio.run(measure_all(
             server.url, shape, fitted, levels,

@@ -10,6 +10,8 @@ ratios gain nothing from the thousandth observation of a second. A token bucket:
 
 from __future__ import annotations
 
+import math
+
 
 class RateSample:
     __slots__ = ("_at_s", "_tokens", "burst", "left_out", "per_s", "taken")
@@ -24,13 +26,12 @@ class RateSample:
         self.taken = 0
         self.left_out = 0
         self._tokens = burst
-        self._at_s: float | None = None
+        self._at_s = -math.inf  # the latest time seen
 
     def take(self, now_s: float) -> bool:
         """Whether to learn from the request that completed at `now_s`."""
-        if self._at_s is not None and now_s > self._at_s:
+        if now_s > self._at_s:  # a clock that went back adds nothing
             self._tokens = min(self.burst, self._tokens + (now_s - self._at_s) * self.per_s)
-        if self._at_s is None or now_s > self._at_s:
             self._at_s = now_s
         if self._tokens > 1.0 - 1e-9:  # a whole token, up to rounding
             self._tokens -= 1.0
