@@ -48,7 +48,9 @@ class UsageSampler:
 
     def __init__(self, server: VllmServer, sidecar: Sidecar) -> None:
         self.server, self.sidecar = server, sidecar
-        self.theirs: list[tuple[float, int, int]] = []  # (time, vLLM used, running)
+        # (asked at, answered at, vLLM used, running): vLLM's figures are from some time
+        # between the two, and a busy API server can take a while to answer.
+        self.theirs: list[tuple[float, float, int, int]] = []
         self.ours: list[tuple[float, int]] = []  # (time, kvgate reserved)
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._poll_vllm, daemon=True),
@@ -59,11 +61,12 @@ class UsageSampler:
         blocks = MODELS[self.server.served_name] - 1
         with contextlib.closing(connection):
             while not self._stop.is_set():
+                asked = time.monotonic()
                 connection.request("GET", "/metrics")
                 text = connection.getresponse().read().decode()
                 used = round(_sample(text, "vllm:kv_cache_usage_perc") * blocks)
                 running = int(_sample(text, "vllm:num_requests_running"))
-                self.theirs.append((time.monotonic(), used, running))
+                self.theirs.append((asked, time.monotonic(), used, running))
 
     def _poll_kvgate(self) -> None:
         connection = http.client.HTTPConnection(urlsplit(self.sidecar.url).netloc, timeout=5)
@@ -74,30 +77,45 @@ class UsageSampler:
                 self.ours.append((time.monotonic(), state["ledger"]["reserved_blocks"]))
                 time.sleep(0.002)  # leave the interpreter to the other poller
 
-    def while_reserved(self) -> list[tuple[float, int, int]]:
-        """vLLM's samples taken while kvgate held a reservation (vLLM's gauges keep the
-        last step's values while the server is idle: before and after, they are stale)."""
+    def while_reserved(self) -> list[tuple[float, float, int, int]]:
+        """vLLM's samples asked for and answered while kvgate held a reservation (vLLM's
+        gauges keep the last step's values while the server is idle: before and after,
+        they are stale)."""
         held = [stamp for stamp, blocks in self.ours if blocks]
         if not held:
             return []
-        return [sample for sample in self.theirs if held[0] <= sample[0] <= held[-1]]
+        return [sample for sample in self.theirs
+                if held[0] <= sample[0] and sample[1] <= held[-1]]
 
-    def reserved_around(self, at: float, lag_s: float = 0.1) -> int:
-        """kvgate's largest reservation from `lag_s` before `at` to just after it.
+    def changes_while_reserved(self) -> list[tuple[float, float, int]]:
+        """(since, seen by, vLLM used) for each sample of vLLM's that shows a new value
+        while kvgate held a reservation: the value was vLLM's at some time between when
+        the sample before it was asked for and when this one was answered. A value
+        repeated afterwards can be a gauge not updated yet (the next step's output not
+        processed by a busy API server), so only its first sample is judged."""
+        sampled = set(self.while_reserved())
+        out = []
+        for before, sample in zip(self.theirs, self.theirs[1:], strict=False):
+            if sample in sampled and sample[2] != before[2]:
+                out.append((before[0], sample[1], sample[2]))
+        return out
+
+    def reserved_around(self, since: float, until: float, lag_s: float = 0.1) -> int:
+        """kvgate's largest reservation from `lag_s` before `since` to just after `until`.
         vLLM reports each step's KV use with that step's output, when the next step
         (asynchronous scheduling) has already freed what slid out of the window: its
         gauge runs about a step behind what it holds, and behind its own stream."""
-        window = [blocks for stamp, blocks in self.ours if at - lag_s <= stamp <= at]
-        after = [blocks for stamp, blocks in self.ours if stamp > at]
+        window = [blocks for stamp, blocks in self.ours if since - lag_s <= stamp <= until]
+        after = [blocks for stamp, blocks in self.ours if stamp > until]
         return max(window + after[:1] or [0])
 
     @property
     def peak_used(self) -> int:
-        return max((used for _, used, _ in self.while_reserved()), default=0)
+        return max((used for _, _, used, _ in self.while_reserved()), default=0)
 
     @property
     def most_running(self) -> int:
-        return max((running for _, _, running in self.while_reserved()), default=0)
+        return max((running for _, _, _, running in self.while_reserved()), default=0)
 
     def __enter__(self) -> UsageSampler:
         for thread in self._threads:
@@ -155,8 +173,9 @@ async def test_the_reservation_covers_what_vllm_holds_and_follows_it_down(
                 headers.append(int(result["headers"]["x-kvgate-kv-blocks"]))
                 assert sampler.peak_used > 0, "no sample of vLLM while the request ran"
                 # vLLM never holds more than kvgate reserves for the request.
-                for stamp, used, _ in sampler.while_reserved():
-                    assert used <= sampler.reserved_around(stamp), (stamp, used)
+                for since, until, used in sampler.changes_while_reserved():
+                    assert used <= sampler.reserved_around(since, until), (
+                        since, until, used, sampler.ours)
                 peaks.append(sampler.peak_used)
                 if name == "tiny-mistral":
                     # Past the prefill the window is all it holds, and all kvgate keeps.
