@@ -7,7 +7,10 @@ Run as `python bench/overhead.py --canned` (see that file). Everything on 127.0.
   logging the path of every request it receives, so the run can count how many
   requests reach the server per client request;
 - the targets in front of it: nginx as a reverse proxy, a bare aiohttp stream-through
-  proxy (`bench/bare_proxy.py`), and kvgate (`--event-loop uvloop` and `asyncio`);
+  proxy (`bench/bare_proxy.py`), a proxy without a web framework (`bench/lean_proxy.py`:
+  a raw asyncio protocol on uvloop in front of kvgate's forwarding client, what a
+  leaner front end could bring kvgate to), and kvgate (`--event-loop uvloop` and
+  `asyncio`);
 - wrk (Debian's package) as the load: closed loop at a fixed number of connections,
   one thread, the same POST /v1/completions for every target, streaming and not.
 
@@ -37,7 +40,8 @@ PROMPT = ("Summarise the following notes for an on-call engineer in three short 
           "points, keeping numbers exact: the KV cache filled at 14:02, vLLM preempted "
           "requests for 40 s, latency p99 went from 2 s to 19 s, and the gateway kept "
           "admitting because its KV threshold lagged by one scrape.")
-TARGETS = ("direct", "nginx", "bare-aiohttp", "kvgate-uvloop", "kvgate-asyncio")
+TARGETS = ("direct", "nginx", "bare-aiohttp", "lean-protocol", "kvgate-uvloop",
+           "kvgate-asyncio")
 # (streaming, unique prompts): identical prompts first, so kvgate's first checks of the
 # shape meet the prompt the canned /tokenize answers for.
 CASES = ((False, False), (True, False), (False, True))
@@ -220,7 +224,7 @@ def canned_comparison(args: Any, tmp: Path, provenance: dict[str, Any]) -> dict[
     upstream_url = f"http://127.0.0.1:{upstream_port}"
     from bench.overhead import nginx_config
 
-    proxy_port, bare_port = free_port(), free_port()
+    proxy_port, bare_port, lean_port = free_port(), free_port(), free_port()
     (tmp / "proxy.conf").write_text(nginx_config(tmp, proxy_port, upstream_port, "1"))
     ports = {"kvgate-uvloop": free_port(), "kvgate-asyncio": free_port()}
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("KVGATE_")}
@@ -241,11 +245,15 @@ def canned_comparison(args: Any, tmp: Path, provenance: dict[str, Any]) -> dict[
         Process("bare aiohttp proxy", [sys.executable, str(ROOT / "bench" / "bare_proxy.py"),
                                        "--port", str(bare_port), "--upstream", upstream_url],
                 tmp / "bare.log"),
+        Process("lean protocol proxy", [sys.executable, str(ROOT / "bench" / "lean_proxy.py"),
+                                        "--port", str(lean_port), "--upstream", upstream_url],
+                tmp / "lean.log"),
         *(Process(target, argv, tmp / f"{target}.log", env=env, cwd=ROOT)
           for target, argv in kvgate_argv.items()),
     ]
     urls = {"direct": upstream_url, "nginx": f"http://127.0.0.1:{proxy_port}",
             "bare-aiohttp": f"http://127.0.0.1:{bare_port}",
+            "lean-protocol": f"http://127.0.0.1:{lean_port}",
             **{t: f"http://127.0.0.1:{p}" for t, p in ports.items()}}
     cells: list[dict[str, Any]] = []
     runs: list[dict[str, Any]] = []
@@ -255,7 +263,8 @@ def canned_comparison(args: Any, tmp: Path, provenance: dict[str, Any]) -> dict[
         wait_http(upstream_url + "/health", processes[0])
         wait_http(urls["nginx"] + "/health", processes[1])
         wait_http(urls["bare-aiohttp"] + "/health", processes[2])
-        for target, process in zip(ports, processes[3:], strict=True):
+        wait_http(urls["lean-protocol"] + "/health", processes[3])
+        for target, process in zip(ports, processes[4:], strict=True):
             wait_http(urls[target] + "/readyz", process, timeout_s=60)
         for stream, unique in CASES:
             script = wrk_script(tmp, stream, unique)
@@ -328,7 +337,7 @@ def _cell(stream: bool, unique: bool, concurrency: int,
     for values in targets.values():
         values["added_p50_ms"] = round(values["p50_ms"] - direct, 3)
     bare = targets["bare-aiohttp"]
-    for name in ("kvgate-uvloop", "kvgate-asyncio"):
+    for name in ("lean-protocol", "kvgate-uvloop", "kvgate-asyncio"):
         kvgate = targets[name]
         kvgate["added_p50_over_bare_ms"] = round(kvgate["added_p50_ms"] - bare["added_p50_ms"],
                                                  3)
