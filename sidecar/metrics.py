@@ -272,18 +272,28 @@ class _StateCollector(Collector):
         if view.prefix is not None:
             yield from _prefix_metrics(view.prefix, gauge)
         if self._gateway:
-            waiting = view.queue_requests + (view.server_waiting or 0)
-            usage = 0.0
-            if view.capacity_blocks:
-                usage = min(1.0, max(view.reserved_blocks, view.used_blocks or 0,
-                                     view.forecast_peak_ratio * view.capacity_blocks)
-                            / view.capacity_blocks)
             yield gauge("vllm:num_requests_waiting",
                         "kvgate's predictive view: its queue plus the server's waiting requests.",
-                        waiting)
+                        view.queue_requests + (view.server_waiting or 0))
             yield gauge("vllm:kv_cache_usage_perc",
-                        "kvgate's predictive view: max(reserved, used, forecast peak) / capacity.",
-                        usage)
+                        "kvgate's predictive view: 1 while kvgate holds requests back, else "
+                        "max(reserved + others', used, forecast peak) / capacity.",
+                        gateway_kv_usage(view))
+
+
+def gateway_kv_usage(view: StateView) -> float:
+    """The KV usage an endpoint picker reads (`--gateway-metrics`): 1.0 while kvgate
+    holds any request back (the pod has no room for another, whatever its blocks in use
+    say: the queue waits for room the running requests will need, or for the server's
+    limits), else the most of what kvgate reserved plus what others hold (traffic that
+    bypasses it), what the server reports in use, and the forecast peak, over capacity."""
+    if view.queue_requests > 0:
+        return 1.0
+    if not view.capacity_blocks:
+        return 0.0
+    committed = view.reserved_blocks + (view.others_blocks or 0)
+    return min(1.0, max(committed, view.used_blocks or 0,
+                        view.forecast_peak_ratio * view.capacity_blocks) / view.capacity_blocks)
 
 
 def _ratio(part: float | None, whole: float | None) -> float | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -34,3 +35,41 @@ def test_others_use_is_exported_beside_reserved_and_used() -> None:
     assert (values["kvgate_kv_reserved_blocks"], values["kvgate_kv_used_blocks"]) == (40, 45)
     # Without a fresh scrape there is no figure: NaN, not 0.
     assert math.isnan(_exported(_view(None))["kvgate_kv_others_blocks"])
+
+
+def _gateway(view: StateView) -> dict[str, float]:
+    registry = CollectorRegistry()
+    SidecarMetrics(registry, lambda: view, gateway_metrics=True)
+    values = {}
+    for line in generate_latest(registry).decode().splitlines():
+        if line.startswith("vllm:"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_the_gateway_usage_counts_what_others_hold_beside_what_kvgate_reserved() -> None:
+    view = StateView(queue_requests=0, inflight_requests=2, capacity_blocks=100,
+                     reserved_blocks=40, used_blocks=45, forecast_peak_ratio=0.5,
+                     forecast_exhaustion_s=math.inf, recommended_max_concurrency=4,
+                     upstream_up=True, upstream_metrics_age_s=0.5, server_waiting=1,
+                     others_blocks=30)
+    values = _gateway(view)
+    assert values["vllm:kv_cache_usage_perc"] == 0.7  # 40 reserved + 30 others
+    assert values["vllm:num_requests_waiting"] == 1
+    without_others = _gateway(dataclasses.replace(view, others_blocks=None))
+    assert without_others["vllm:kv_cache_usage_perc"] == 0.5  # the forecast's peak
+
+
+def test_the_gateway_sees_no_room_while_kvgate_holds_requests_back() -> None:
+    # Two requests queued while little is reserved or used (the server's last scrape
+    # still counted finished requests, or the server's own limits hold them): an
+    # endpoint picker must not send this pod more.
+    view = StateView(queue_requests=2, inflight_requests=0, capacity_blocks=63,
+                     reserved_blocks=5, used_blocks=10, forecast_peak_ratio=0.1,
+                     forecast_exhaustion_s=math.inf, recommended_max_concurrency=4,
+                     upstream_up=True, upstream_metrics_age_s=0.5, server_waiting=0,
+                     others_blocks=20)
+    values = _gateway(view)
+    assert values["vllm:kv_cache_usage_perc"] == 1.0
+    assert values["vllm:num_requests_waiting"] == 2
