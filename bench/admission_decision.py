@@ -8,6 +8,12 @@ priority bands, 50 tenants), then times, with `time.perf_counter_ns`, the decisi
 for each of many new arrivals (cost, never-fits check, headroom, predicted wait and
 TTFT, queue-full and deadline checks) and, separately, entering the queue and
 choosing the next request to dispatch. Garbage collection stays on, as in service.
+
+Then churn with prefix caching: the cache filled with running requests whose prompts
+share a system prompt (block keys as kvgate hashes them), and for each sample the
+oldest one finishes and a new arrival is decided and admitted: what the admission
+core does per request at a steady state near capacity (room over the steps ahead,
+shared prompt blocks), in two shapes: few long prompts, many short ones.
 """
 
 from __future__ import annotations
@@ -117,6 +123,60 @@ def run(samples: int, seed: int) -> dict[str, Any]:
     }
 
 
+CHURN_SHAPES = (  # (name, shared system prompt tokens, own prompt tokens)
+    ("long prompts", 2_000, 6_000),
+    ("short prompts", 200, 500),
+)
+CHURN_OUTPUT_TOKENS = (64, 1_024)
+
+
+def churn(samples: int, seed: int) -> list[dict[str, Any]]:
+    """Finish the oldest running request and admit a new one, near capacity."""
+    results = []
+    for name, system_tokens, own_tokens in CHURN_SHAPES:
+        rng = random.Random(seed)
+        served = ServedModel(read_architecture("Qwen/Qwen3-8B"),
+                             Deployment(max_model_len=32_768), find_gpu("H100"))
+        controller = AdmissionController(
+            CostModel(served), AdmissionSettings(limits=QueueLimits(100, 3600)))
+        controller.update_server(ServerState(available=True))
+        system = [rng.randrange(150_000) for _ in range(system_tokens)]
+
+        def request() -> AdmissionRequest:
+            ids = system + [rng.randrange(150_000) for _ in range(own_tokens)]  # noqa: B023
+            output = rng.randint(*CHURN_OUTPUT_TOKENS)  # noqa: B023
+            return AdmissionRequest(prompt_tokens=len(ids), max_tokens=output,
+                                    block_keys=controller.prompt_keys(ids))  # noqa: B023
+
+        running = []
+        while True:
+            req = request()
+            plan = controller._plan(req)
+            cost, decision = controller._decide_at_arrival(req, controller.clock(), plan)
+            if decision is not None or cost is None:
+                break
+            running.append(controller._start(req, cost, controller.clock(), queue_wait_s=0.0,
+                                             predicted_ttft_s=cost.prefill_s, plan=plan))
+        arrivals = [request() for _ in range(samples)]  # hashed outside the timing
+        cycle = []
+        clock = time.perf_counter_ns
+        for req in arrivals:
+            started = clock()
+            oldest = running.pop(0)
+            oldest.finish(oldest.cost.output_tokens, completed=True)
+            plan = controller._plan(req)
+            cost, decision = controller._decide_at_arrival(req, controller.clock(), plan)
+            if decision is None and cost is not None:
+                running.append(controller._start(req, cost, controller.clock(),
+                                                 queue_wait_s=0.0,
+                                                 predicted_ttft_s=cost.prefill_s, plan=plan))
+            cycle.append(clock() - started)
+        results.append({"shape": name, "running_requests": len(running),
+                        "prompt_blocks_per_request": len(running[0].reservation.keys),
+                        "finish_and_admit": stats(cycle)})
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true", help="fewer samples (CI)")
@@ -125,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     args = parser.parse_args(argv)
     result = run(1000 if args.smoke else args.samples, args.seed)
+    result["churn"] = churn(50 if args.smoke else 1_000, args.seed)
     result.update(provenance("bench/admission_decision.py"))
     if args.out:
         write_json(args.out, result)
@@ -134,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
               f"max {s['max_us']:8.1f} us   ({s['samples']} samples)")
     print(f"with {result['queued_requests']:,} queued and {result['running_requests']} running; "
           f"decision + enqueue p99 {result['decision_plus_enqueue_p99_us']:.1f} us")
+    for shape in result["churn"]:
+        s = shape["finish_and_admit"]
+        print(f"churn, {shape['shape']} ({shape['running_requests']} running, "
+              f"{shape['prompt_blocks_per_request']} prompt blocks each): finish + admit "
+              f"p50 {s['p50_us']:.0f} us, p99 {s['p99_us']:.0f} us")
     return 0
 
 

@@ -411,6 +411,17 @@ class PrefixMachine(AdmissionMachine):
         own = sum(t.reservation.blocks for t, _ in self.running)
         assert ledger.reserved_blocks == own + len(held) * ledger.blocks_per_key
 
+    @invariant()
+    def the_room_knows_which_blocks_one_running_request_holds(self) -> None:
+        # Kept as requests come and go; counted here from scratch.
+        holders: dict[bytes, int] = {}
+        for ticket, _ in self.running:
+            for key in ticket.reservation.keys:
+                holders[key] = holders.get(key, 0) + 1
+        for ticket, _ in self.running:
+            alone = sum(1 for key in ticket.reservation.keys if holders[key] == 1)
+            assert self.ctl.room.exclusive_keys(ticket) == alone
+
 
 PrefixMachine.TestCase.settings = settings(
     max_examples=120, stateful_step_count=40, deadline=None,

@@ -20,3 +20,7 @@ def test_admission_decision_benchmark_smoke(tmp_path: Path) -> None:
     for part in ("decision", "enqueue", "choose_next"):
         assert result[part]["samples"] == 1000
         assert 0 < result[part]["p50_us"] <= result[part]["p99_us"]
+    assert [shape["shape"] for shape in result["churn"]] == ["long prompts", "short prompts"]
+    for shape in result["churn"]:
+        assert shape["running_requests"] > 1 and shape["prompt_blocks_per_request"] > 1
+        assert shape["finish_and_admit"]["samples"] == 50

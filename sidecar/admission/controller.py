@@ -702,7 +702,7 @@ class AdmissionController:
         ticket = Ticket(self, next(self._keys), request, cost, reservation, now, queue_wait_s,
                         predicted_ttft_s, shadow_outcome, plan)
         self._running.add(ticket)
-        self.room.changed()
+        self.room.admitted(ticket)
         self._last_duration_s = cost.prefill_s + cost.decode_s
         self.prefill_load.add(now, cost.prefill_work_s)
         self._room_cache = None
@@ -755,7 +755,7 @@ class AdmissionController:
         now = self.clock()
         self._recently_finished.add(now, self._last_blocks(ticket, now),
                                     ticket.reservation.engine)
-        self.room.changed()
+        self.room.finished(ticket)
         if completed and ticket.output_tokens > 0:
             self.output_policy.observe(ticket.request.tenant, ticket.output_tokens)
             self._outputs.observe(ticket.request.tenant, ticket.output_tokens)

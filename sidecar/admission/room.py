@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from sidecar.admission.cost import CostModel, RequestCost
@@ -77,38 +77,64 @@ class KVRoom:
         # Server-reported use that the running requests do not explain (last scrape).
         self.untracked_blocks = 0
         self._version = 0
-        self._owners_version = -1
+        # Who holds each prompt block among the running requests, kept as they come and
+        # go (a look-up per block of the request that came or went, not per block of
+        # every running request).
+        self._holding: dict[bytes, dict[int, Ticket]] = {}
         self._owners: dict[bytes, Ticket] = {}  # prompt blocks one running request holds
         self._exclusive: dict[int, int] = {}  # ticket key -> prompt blocks only it holds
 
     def set_cost_model(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model
 
-    def changed(self) -> None:
-        """A request was admitted or finished: who holds which prompt blocks changed."""
+    def admitted(self, ticket: Ticket) -> None:
+        """`ticket` runs now; its reservation (already in the ledger) holds its prompt
+        blocks."""
         self._version += 1
+        self._exclusive[ticket.key] = 0
+        for key in ticket.reservation.keys:
+            self._holding.setdefault(key, {})[ticket.key] = ticket
+            self._settle_owner(key)
+
+    def finished(self, ticket: Ticket) -> None:
+        """`ticket` ended; its reservation is already released from the ledger."""
+        self._version += 1
+        for key in ticket.reservation.keys:
+            holding = self._holding.get(key)
+            if holding is not None:
+                holding.pop(ticket.key, None)
+                if not holding:
+                    del self._holding[key]
+            self._settle_owner(key)
+        self._exclusive.pop(ticket.key, None)
+
+    def _settle_owner(self, key: bytes) -> None:
+        """The running request that alone holds `key` now, if one does."""
+        holding = self._holding.get(key)
+        owner = None
+        if holding is not None and len(holding) == 1 and self.ledger.holders(key) == 1:
+            owner = next(iter(holding.values()))
+        previous = self._owners.get(key)
+        if previous is owner:
+            return
+        if previous is not None:
+            self._exclusive[previous.key] -= 1
+        if owner is None:
+            del self._owners[key]
+        else:
+            self._owners[key] = owner
+            self._exclusive[owner.key] = self._exclusive.get(owner.key, 0) + 1
 
     @property
     def version(self) -> int:
+        """Changes whenever a request is admitted or finishes."""
         return self._version
 
-    # ---- the running requests -------------------------------------------------------
+    def exclusive_keys(self, ticket: Ticket) -> int:
+        """Prompt blocks only `ticket` holds among the running requests."""
+        return self._exclusive.get(ticket.key, 0)
 
-    def _exclusive_keys(self, tickets: Iterable[Ticket]) -> dict[int, int]:
-        if self._owners_version != self._version:
-            owners: dict[bytes, Ticket] = {}
-            exclusive: dict[int, int] = {}
-            holders = self.ledger.holders
-            for ticket in tickets:
-                count = 0
-                for key in ticket.reservation.keys:
-                    if holders(key) == 1:
-                        owners[key] = ticket
-                        count += 1
-                exclusive[ticket.key] = count
-            self._owners, self._exclusive = owners, exclusive
-            self._owners_version = self._version
-        return self._exclusive
+    # ---- the running requests -------------------------------------------------------
 
     def prefill_steps(self, prompt_tokens: int, cached_tokens: int) -> int:
         return self.cost_model.lifecycle.prefill_step_count(
@@ -152,7 +178,7 @@ class KVRoom:
 
     def running(self, tickets: Sequence[Ticket], progress: Progress,
                 now: float) -> RunningHoldings:
-        exclusive = self._exclusive_keys(tickets)
+        exclusive = self._exclusive
         holdings = []
         prefills = 0
         for ticket in tickets:  # in the order they were admitted
