@@ -11,7 +11,8 @@ choosing the next request to dispatch. Garbage collection stays on, as in servic
 
 Then churn with prefix caching: the cache filled with running requests whose prompts
 share a system prompt (block keys as kvgate hashes them), and for each sample the
-oldest one finishes and a new arrival is decided and admitted: what the admission
+oldest one finishes and a new arrival is decided and admitted (each running request
+streamed part of its output): what the admission
 core does per request at a steady state near capacity (room over the steps ahead,
 shared prompt blocks), in two shapes: few long prompts, many short ones.
 """
@@ -36,6 +37,7 @@ from sidecar.admission import (  # noqa: E402
     CostModel,
     QueueLimits,
     ServerState,
+    Ticket,
 )
 from sidecar.admission.queue import Entry  # noqa: E402
 from sidecar.model import Deployment, ServedModel, find_gpu, read_architecture  # noqa: E402
@@ -130,6 +132,13 @@ CHURN_SHAPES = (  # (name, shared system prompt tokens, own prompt tokens)
 CHURN_OUTPUT_TOKENS = (64, 1_024)
 
 
+def streaming(ticket: Ticket, rng: random.Random) -> None:
+    """A running request part-way through its output, as kvgate sees it streamed."""
+    if ticket.first_token_s is None:
+        ticket.first_token()
+        ticket.progress(rng.randint(1, max(1, ticket.cost.output_tokens - 1)))
+
+
 def churn(samples: int, seed: int) -> list[dict[str, Any]]:
     """Finish the oldest running request and admit a new one, near capacity."""
     results = []
@@ -157,6 +166,7 @@ def churn(samples: int, seed: int) -> list[dict[str, Any]]:
                 break
             running.append(controller._start(req, cost, controller.clock(), queue_wait_s=0.0,
                                              predicted_ttft_s=cost.prefill_s, plan=plan))
+            streaming(running[-1], rng)
         arrivals = [request() for _ in range(samples)]  # hashed outside the timing
         cycle = []
         clock = time.perf_counter_ns
@@ -171,6 +181,7 @@ def churn(samples: int, seed: int) -> list[dict[str, Any]]:
                                                  queue_wait_s=0.0,
                                                  predicted_ttft_s=cost.prefill_s, plan=plan))
             cycle.append(clock() - started)
+            streaming(running[-1], rng)
         results.append({"shape": name, "running_requests": len(running),
                         "prompt_blocks_per_request": len(running[0].reservation.keys),
                         "finish_and_admit": stats(cycle)})

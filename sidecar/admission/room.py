@@ -74,6 +74,8 @@ class KVRoom:
     def __init__(self, ledger: Ledger, cost_model: CostModel) -> None:
         self.ledger = ledger
         self.cost_model = cost_model
+        # Whether a request's blocks can fall as it advances (sliding windows).
+        self._recycles = cost_model.lifecycle.layout.recycles_blocks
         # Server-reported use that the running requests do not explain (last scrape).
         self.untracked_blocks = 0
         self._version = 0
@@ -86,6 +88,7 @@ class KVRoom:
 
     def set_cost_model(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model
+        self._recycles = cost_model.lifecycle.layout.recycles_blocks
 
     def admitted(self, ticket: Ticket) -> None:
         """`ticket` runs now; its reservation (already in the ledger) holds its prompt
@@ -157,8 +160,11 @@ class KVRoom:
         # more at some of those points (the prefill's blocks until the first steps
         # settle) than at the last, so take the most over them (or the peak ahead, when
         # kvgate's view lags far behind).
+        # Groups that only grow hold the most at the last of those points.
         if ahead - seen > _SCAN_TOKENS:
             held = ticket.reservation.blocks + len(ticket.reservation.keys) * per_key
+        elif not self._recycles:
+            held = model.blocks_now(request.prompt_tokens, ahead, request.sequences)
         else:
             held = max(model.blocks_now(request.prompt_tokens, produced, request.sequences)
                        for produced in range(seen, ahead + 1))
