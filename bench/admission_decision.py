@@ -56,15 +56,31 @@ def stats(values_ns: list[int]) -> dict[str, float | None]:
             "samples": len(values_us)}
 
 
-def run(samples: int, seed: int) -> dict[str, Any]:
-    rng = random.Random(seed)
+def admission_core(queue_length: int) -> AdmissionController:
+    """The admission core for Qwen3-8B on an H100, the server up."""
     served = ServedModel(read_architecture("Qwen/Qwen3-8B"),
                          Deployment(max_model_len=32_768), find_gpu("H100"))
     controller = AdmissionController(
         CostModel(served),
-        AdmissionSettings(limits=QueueLimits(max_length=QUEUED * 2, max_wait_s=3600)),
+        AdmissionSettings(limits=QueueLimits(max_length=queue_length, max_wait_s=3600)),
     )
     controller.update_server(ServerState(available=True))
+    return controller
+
+
+def admit_if_it_fits(controller: AdmissionController, req: AdmissionRequest) -> Ticket | None:
+    """Decide `req` as admit() does on arrival and start it when it fits now."""
+    plan = controller._plan(req)
+    cost, decision = controller._decide_at_arrival(req, controller.clock(), plan)
+    if decision is not None or cost is None:
+        return None
+    return controller._start(req, cost, controller.clock(), queue_wait_s=0.0,
+                             predicted_ttft_s=cost.prefill_s, plan=plan)
+
+
+def run(samples: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    controller = admission_core(QUEUED * 2)
 
     def request() -> AdmissionRequest:
         return AdmissionRequest(
@@ -74,14 +90,7 @@ def run(samples: int, seed: int) -> dict[str, Any]:
 
     # Fill the cache with running requests, then the queue with waiting ones.
     running = 0
-    while True:
-        req = request()
-        cost, decision = controller._decide_at_arrival(req, controller.clock(),
-                                                       controller._plan(req))
-        if decision is not None or cost is None:
-            break
-        controller._start(req, cost, controller.clock(), queue_wait_s=0.0,
-                          predicted_ttft_s=cost.prefill_s)
+    while admit_if_it_fits(controller, request()) is not None:
         running += 1
     # The waiting requests enter the queue as admit() would queue them (nothing frees
     # KV during the measurement, so none is dispatched).
@@ -139,49 +148,42 @@ def streaming(ticket: Ticket, rng: random.Random) -> None:
         ticket.progress(rng.randint(1, max(1, ticket.cost.output_tokens - 1)))
 
 
+def shared_prefix_request(controller: AdmissionController, rng: random.Random,
+                          system: list[int], own_tokens: int) -> AdmissionRequest:
+    """The system prompt and `own_tokens` tokens of its own, hashed as kvgate hashes
+    prompts, with an output length drawn from CHURN_OUTPUT_TOKENS."""
+    ids = system + [rng.randrange(150_000) for _ in range(own_tokens)]
+    return AdmissionRequest(prompt_tokens=len(ids),
+                            max_tokens=rng.randint(*CHURN_OUTPUT_TOKENS),
+                            block_keys=controller.prompt_keys(ids))
+
+
 def churn(samples: int, seed: int) -> list[dict[str, Any]]:
     """Finish the oldest running request and admit a new one, near capacity."""
     results = []
     for name, system_tokens, own_tokens in CHURN_SHAPES:
         rng = random.Random(seed)
-        served = ServedModel(read_architecture("Qwen/Qwen3-8B"),
-                             Deployment(max_model_len=32_768), find_gpu("H100"))
-        controller = AdmissionController(
-            CostModel(served), AdmissionSettings(limits=QueueLimits(100, 3600)))
-        controller.update_server(ServerState(available=True))
+        controller = admission_core(100)
         system = [rng.randrange(150_000) for _ in range(system_tokens)]
-
-        def request() -> AdmissionRequest:
-            ids = system + [rng.randrange(150_000) for _ in range(own_tokens)]  # noqa: B023
-            output = rng.randint(*CHURN_OUTPUT_TOKENS)  # noqa: B023
-            return AdmissionRequest(prompt_tokens=len(ids), max_tokens=output,
-                                    block_keys=controller.prompt_keys(ids))  # noqa: B023
-
         running = []
-        while True:
-            req = request()
-            plan = controller._plan(req)
-            cost, decision = controller._decide_at_arrival(req, controller.clock(), plan)
-            if decision is not None or cost is None:
-                break
-            running.append(controller._start(req, cost, controller.clock(), queue_wait_s=0.0,
-                                             predicted_ttft_s=cost.prefill_s, plan=plan))
-            streaming(running[-1], rng)
-        arrivals = [request() for _ in range(samples)]  # hashed outside the timing
+        while (ticket := admit_if_it_fits(controller, shared_prefix_request(
+                controller, rng, system, own_tokens))) is not None:
+            running.append(ticket)
+            streaming(ticket, rng)
+        # Hashed outside the timing.
+        arrivals = [shared_prefix_request(controller, rng, system, own_tokens)
+                    for _ in range(samples)]
         cycle = []
         clock = time.perf_counter_ns
         for req in arrivals:
             started = clock()
             oldest = running.pop(0)
             oldest.finish(oldest.cost.output_tokens, completed=True)
-            plan = controller._plan(req)
-            cost, decision = controller._decide_at_arrival(req, controller.clock(), plan)
-            if decision is None and cost is not None:
-                running.append(controller._start(req, cost, controller.clock(),
-                                                 queue_wait_s=0.0,
-                                                 predicted_ttft_s=cost.prefill_s, plan=plan))
+            ticket = admit_if_it_fits(controller, req)
             cycle.append(clock() - started)
-            streaming(running[-1], rng)
+            if ticket is not None:
+                running.append(ticket)
+                streaming(ticket, rng)
         results.append({"shape": name, "running_requests": len(running),
                         "prompt_blocks_per_request": len(running[0].reservation.keys),
                         "finish_and_admit": stats(cycle)})

@@ -25,11 +25,11 @@ from typing import cast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from sidecar.server.proxy import HOP_BY_HOP as PROXY_HOP_BY_HOP
 from sidecar.upstream.http1 import ForwardError, Http1Pool
 
-HOP_BY_HOP = frozenset({b"connection", b"keep-alive", b"proxy-authenticate",
-                        b"proxy-authorization", b"te", b"trailer", b"transfer-encoding",
-                        b"upgrade", b"host", b"content-length"})
+# The headers kvgate's proxy does not pass on, as the bytes this parser compares.
+HOP_BY_HOP = frozenset(name.encode("latin-1") for name in PROXY_HOP_BY_HOP)
 MAX_HEAD_BYTES = 64 * 1024
 READ_TIMEOUT_S = 60.0
 
@@ -100,6 +100,9 @@ class LeanProxy(asyncio.Protocol):
                 self._fail(b"501 Not Implemented")
                 return
             if lowered == b"content-length":
+                if not value.strip().isdigit():
+                    self._fail(b"400 Bad Request")
+                    return
                 length = int(value)
             elif lowered not in HOP_BY_HOP:
                 headers.append((name.decode("latin-1"), value.strip().decode("latin-1")))
