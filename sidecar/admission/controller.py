@@ -840,7 +840,8 @@ class AdmissionController:
     def _last_blocks(self, ticket: Ticket, now: float) -> int:
         """Blocks the server may have held for a request kvgate just saw finish: its
         own, and the prompt blocks no running request holds (once released)."""
-        still_held = sum(1 for key in ticket.reservation.keys if self.ledger.holders(key))
+        counts = self.ledger.holder_counts
+        still_held = sum(1 for key in ticket.reservation.keys if key in counts)
         held = self._blocks_now(ticket, self._server_progress(ticket, now))
         return max(0, held - still_held * self.ledger.blocks_per_key)
 

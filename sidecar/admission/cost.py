@@ -117,10 +117,8 @@ class CostModel:
         self._prefill = lru_cache(maxsize=16_384)(self._prefill_uncached)
         self._tpot = lru_cache(maxsize=16_384)(self._tpot_uncached)
         self._flops_per_token = 2.0 * served.arch.params_active()
-
-    @property
-    def max_model_len(self) -> int:
-        return self.served.max_model_len
+        # Read on every decision: the served model's, looked up once.
+        self.max_model_len: int = served.max_model_len
 
     @property
     def block_size(self) -> int:

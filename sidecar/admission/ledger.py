@@ -34,7 +34,7 @@ by load, not by KV room. The observed use is read as the engines' average.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
@@ -131,7 +131,9 @@ class Ledger:
         self._excess_by_engine = [0] * engines
         self.blocks_per_key = 1
         self._holders: dict[bytes, int] = {}
-        self._engine_holders: list[dict[bytes, int]] = [{} for _ in range(engines)]
+        # Per engine; with one engine, the same dictionary as `_holders`.
+        self._engine_holders: list[dict[bytes, int]] = (
+            [self._holders] if engines == 1 else [{} for _ in range(engines)])
 
     # ---- reservations --------------------------------------------------------------
 
@@ -157,11 +159,17 @@ class Ledger:
         self._reserved += blocks
         self._reserved_by_engine[engine] += blocks
         self._overcommit += worst - blocks
-        holders = self._engine_holders[engine]
-        for key in keys:
-            self._holders[key] = self._holders.get(key, 0) + 1
-            holders[key] = holders.get(key, 0) + 1
+        for holders in self._holders_of(engine):
+            for key in keys:
+                holders[key] = holders.get(key, 0) + 1
         return reservation
+
+    def _holders_of(self, engine: int) -> tuple[dict[bytes, int], ...]:
+        """The reference counts a reservation on `engine` moves: all engines' and its
+        own (one dictionary with a single engine)."""
+        if self.engines == 1:
+            return (self._holders,)
+        return (self._holders, self._engine_holders[engine])
 
     def place(self, blocks: int, keys: tuple[bytes, ...] = ()) -> int | None:
         """The engine a request of `blocks` own blocks and shared prompt blocks `keys`
@@ -184,7 +192,7 @@ class Ledger:
         self._reserved -= reservation.blocks
         self._reserved_by_engine[reservation.engine] -= reservation.blocks
         self._overcommit -= reservation.worst_case_blocks - reservation.blocks
-        for holders in (self._holders, self._engine_holders[reservation.engine]):
+        for holders in self._holders_of(reservation.engine):
             for key in reservation.keys:
                 left = holders[key] - 1
                 if left < 0:
@@ -232,6 +240,12 @@ class Ledger:
     def holders(self, key: bytes) -> int:
         """Admitted requests holding this prompt block (on any engine)."""
         return self._holders.get(key, 0)
+
+    @property
+    def holder_counts(self) -> Mapping[bytes, int]:
+        """`holders` of every prompt block held (a block no request holds is absent):
+        for loops over a prompt's blocks."""
+        return self._holders
 
     @property
     def held_prompt_blocks(self) -> int:

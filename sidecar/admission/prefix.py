@@ -41,7 +41,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -249,7 +249,8 @@ class PrefixPlan:
 
 
 class HeldBlocks(Protocol):
-    def holders(self, key: bytes) -> int: ...
+    @property
+    def holder_counts(self) -> Mapping[bytes, int]: ...
 
 
 class PrefixIndex:
@@ -272,8 +273,9 @@ class PrefixIndex:
         cached_run = True
         refs: list[bytes] = []
         private = 0
+        counts = held.holder_counts
         for index, key in enumerate(keys):
-            holders = held.holders(key)
+            holders = counts.get(key, 0)
             hit = index < max_hits
             if cached_run and hit and (holders > 0 or self.server.cached(key)):
                 cached += 1

@@ -94,28 +94,46 @@ class KVRoom:
         """`ticket` runs now; its reservation (already in the ledger) holds its prompt
         blocks."""
         self._version += 1
-        self._exclusive[ticket.key] = 0
+        mine = ticket.key
+        by_key, owners = self._holding, self._owners
+        counts = self.ledger.holder_counts
+        alone = 0  # blocks it is the only one to hold
         for key in ticket.reservation.keys:
-            self._holding.setdefault(key, {})[ticket.key] = ticket
-            self._settle_owner(key)
+            holding = by_key.get(key)
+            if holding is None:
+                # No running request holds it: it owns it unless a reservation outside
+                # the running requests holds it too.
+                by_key[key] = {mine: ticket}
+                if counts.get(key) == 1:
+                    owners[key] = ticket
+                    alone += 1
+                continue
+            holding[mine] = ticket
+            self._settle_owner(key, holding)  # shared now: whoever owned it no longer does
+        self._exclusive[mine] = alone
 
     def finished(self, ticket: Ticket) -> None:
         """`ticket` ended; its reservation is already released from the ledger."""
         self._version += 1
+        mine = ticket.key
+        by_key, owners = self._holding, self._owners
         for key in ticket.reservation.keys:
-            holding = self._holding.get(key)
-            if holding is not None:
-                holding.pop(ticket.key, None)
-                if not holding:
-                    del self._holding[key]
-            self._settle_owner(key)
-        self._exclusive.pop(ticket.key, None)
+            holding = by_key.get(key)
+            if holding is None:
+                continue
+            holding.pop(mine, None)
+            if holding:
+                self._settle_owner(key, holding)  # one left may own it now
+            else:
+                del by_key[key]
+                owners.pop(key, None)  # only it ran with the block: it was the owner
+        self._exclusive.pop(mine, None)
 
-    def _settle_owner(self, key: bytes) -> None:
-        """The running request that alone holds `key` now, if one does."""
-        holding = self._holding.get(key)
+    def _settle_owner(self, key: bytes, holding: dict[int, Ticket]) -> None:
+        """The running request that alone holds `key` now, if one does (`holding`: the
+        running requests holding it)."""
         owner = None
-        if holding is not None and len(holding) == 1 and self.ledger.holders(key) == 1:
+        if len(holding) == 1 and self.ledger.holder_counts.get(key) == 1:
             owner = next(iter(holding.values()))
         previous = self._owners.get(key)
         if previous is owner:

@@ -126,7 +126,9 @@ class PromptSharing:
     def release(self, reservation: Reservation) -> None:
         """Settle a reservation; the prompt blocks it held last stay in the server's
         cache, free, until vLLM evicts them."""
-        last_held = [key for key in reservation.keys if self.ledger.holders(key) == 1]
+        counts = self.ledger.holder_counts
+        last_held = ([key for key in reservation.keys if counts.get(key) == 1]
+                     if reservation.filled else [])
         if reservation.release() and last_held and reservation.filled:
             free = self.ledger.capacity_blocks - self.ledger.effective_used_blocks
             self.traffic_cache.freed(last_held, free)

@@ -286,6 +286,11 @@ class _Clock:
 
 
 def _number(value: Value) -> str:
+    kind = value.__class__  # the usual kinds first: a line has a dozen numbers
+    if kind is float:
+        return f"{value:.6f}" if math.isfinite(value) else "null"  # type: ignore[arg-type]
+    if kind is int:
+        return str(value)
     if value is None or value is True or value is False:
         return "null" if value is None else str(value).lower()
     if isinstance(value, float):

@@ -54,6 +54,12 @@ HOP_BY_HOP = frozenset({
 # (kvgate decides where the KV room is).
 DATA_PARALLEL_RANK = "x-data-parallel-rank"
 STEERING = frozenset({PRIORITY, TENANT, TTFT_SLO, DATA_PARALLEL_RANK})
+# kvgate's figures on an admitted request's answer (the server's own of these names are
+# replaced).
+FIGURES = ("x-kvgate-queue-ms", "x-kvgate-predicted-ttft-ms", "x-kvgate-kv-blocks",
+           "x-kvgate-prompt-tokens", "x-kvgate-kv-shared-blocks", "x-kvgate-cached-tokens",
+           "x-kvgate-predicted-tpot-ms")
+_NOT_WITH_FIGURES = HOP_BY_HOP | frozenset(FIGURES)
 # Proxied requests running now, which the drain cuts off at its end (with DRAIN_CUT).
 RUNNING = web.AppKey("running", set[asyncio.Task[Any]])
 DRAIN_CUT = "kvgate: drain timeout"
@@ -72,18 +78,20 @@ def _forward_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMult
     return kept
 
 
-def _response_headers(upstream: ForwardResponse, ticket: Ticket | None) -> CIMultiDict[str]:
-    """The server's headers (less hop-by-hop ones), and kvgate's figures when admitted."""
-    headers = _forward_headers(upstream.headers, HOP_BY_HOP)
+def _response_headers(upstream: ForwardResponse, ticket: Ticket | None
+                      ) -> list[tuple[str, str]]:
+    """The server's headers (less hop-by-hop ones and kvgate's own names), and kvgate's
+    figures when admitted."""
+    drop = HOP_BY_HOP if ticket is None else _NOT_WITH_FIGURES
+    headers = [(name, value) for name, value in upstream.headers.items()
+               if name.lower() not in drop]
     if ticket is not None:
         cost = ticket.cost
-        headers["x-kvgate-queue-ms"] = f"{ticket.queue_wait_s * 1000:.1f}"
-        headers["x-kvgate-predicted-ttft-ms"] = f"{ticket.predicted_ttft_s * 1000:.1f}"
-        headers["x-kvgate-kv-blocks"] = str(cost.kv_blocks + cost.shared_blocks)
-        headers["x-kvgate-prompt-tokens"] = str(cost.prompt_tokens)
-        headers["x-kvgate-kv-shared-blocks"] = str(cost.shared_blocks)
-        headers["x-kvgate-cached-tokens"] = str(cost.cached_tokens)
-        headers["x-kvgate-predicted-tpot-ms"] = f"{ticket.predicted_tpot_s * 1000:.2f}"
+        values = (f"{ticket.queue_wait_s * 1000:.1f}", f"{ticket.predicted_ttft_s * 1000:.1f}",
+                  str(cost.kv_blocks + cost.shared_blocks), str(cost.prompt_tokens),
+                  str(cost.shared_blocks), str(cost.cached_tokens),
+                  f"{ticket.predicted_tpot_s * 1000:.2f}")
+        headers += zip(FIGURES, values, strict=True)
     return headers
 
 

@@ -163,6 +163,8 @@ class Services:
         self._events_started_s = self.clock()
         self.prompts = PromptCounter(self.metrics, check_every=settings.tokenizer_check_every,
                                      log_prompts=settings.log_prompts)
+        # What the controller's server state was last derived from (see `refresh`).
+        self._refreshed: tuple[object, ...] = ()
 
     # ---- the model's tokenizer --------------------------------------------------------
 
@@ -518,14 +520,28 @@ class Services:
 
     def refresh(self) -> None:
         """Re-evaluate staleness between scrapes (called before decisions that matter)."""
-        self._apply_spread(self.clock())
-        if self.watcher is not None and self.controller is not None:
-            self._update_prefix_source()
-            state = self._server_state(self.watcher.view)
-            # The server's figures are re-read only when a scrape (or their staleness,
-            # or the server going idle) changed them: they describe the scrape's moment.
-            if state != self.controller.server:
-                self.controller.update_server(state)
+        now = self.clock()
+        self._apply_spread(now)
+        controller, watcher = self.controller, self.watcher
+        if watcher is None or controller is None:
+            return
+        self._update_prefix_source()
+        view = watcher.view
+        fresh = view.metrics_age_s(now) <= self.settings.metrics_stale_s
+        idle = fresh and view.metrics is not None and self._idle(view)
+        # The state is derived again only when what it is derived from changed: another
+        # scrape, the figures going stale, the server going idle (once per request
+        # otherwise: a decision's hot path).
+        derived_from = (controller, view, self.learned, controller.server, fresh, idle)
+        if len(self._refreshed) == len(derived_from) and all(
+                a is b for a, b in zip(self._refreshed, derived_from, strict=True)):
+            return
+        state = self._server_state(view)
+        # The server's figures are re-read only when a scrape (or their staleness,
+        # or the server going idle) changed them: they describe the scrape's moment.
+        if state != controller.server:
+            controller.update_server(state)
+        self._refreshed = (controller, view, self.learned, controller.server, fresh, idle)
 
     # ---- observations ----------------------------------------------------------------
 
