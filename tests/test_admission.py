@@ -200,6 +200,22 @@ def test_prompts_admitted_before_and_not_yet_prefilled_are_ahead_in_the_ttft() -
         left = [400 * (1 - elapsed / c.prefill_s) for c in (first, second, third)]
         assert left[0] == pytest.approx(200)
         assert ahead == pytest.approx(sum(left), abs=1)
+        # Past the first two predicted prefills (not the third's, nor the fourth's),
+        # only those two count for nothing, now and at every later decision.
+        passed = second.prefill_s + 1e-6 - elapsed
+        clock.now += passed
+        elapsed += passed
+        assert elapsed < third.prefill_s
+        running = ctl._running  # type: ignore[attr-defined]
+        still = [400 * (1 - elapsed / c.prefill_s) for c in (third,)] + [
+            400 * (1 - passed / later.cost.prefill_s)]  # type: ignore[attr-defined]
+        assert running.prefill_ahead_tokens(clock.now) == pytest.approx(sum(still), abs=1)
+        clock.now += 0.25 * (third.prefill_s - elapsed)
+        elapsed_later = elapsed + 0.25 * (third.prefill_s - elapsed)
+        still = [400 * (1 - elapsed_later / third.prefill_s),
+                 400 * (1 - (elapsed_later - first.prefill_s / 2) / later.cost.prefill_s)]  # type: ignore[attr-defined]
+        assert running.prefill_ahead_tokens(clock.now) == pytest.approx(
+            sum(max(0.0, s) for s in still), abs=1)
         # A request that waits in kvgate's queue is priced as it starts: what was ahead
         # of it at its arrival has been prefilled meanwhile.
         small = controller(num_blocks=41, clock=clock)

@@ -146,21 +146,30 @@ class RunningSet:
         return True
 
     def prefilled(self, ticket: Ticket) -> None:
-        """Its first token came: its prompt is no longer ahead of anyone's."""
+        """Its first token came: its prompt is no longer ahead of anyone's (if it still
+        counted)."""
         self._prefilling.pop(ticket.key, None)
 
     def prefill_ahead_tokens(self, now: float) -> int:
         """Prompt tokens the server still has to prefill for admitted requests before a
         new one's (vLLM schedules prefills first come, first served): each one's new
-        tokens times the share of its predicted time to first token still to run."""
+        tokens times the share of its predicted time to first token still to run.
+        Called with a clock that never goes back: one whose predicted time has passed
+        counts for nothing from then on, and is no longer looked at (a decision costs
+        the prefills in flight, not every request waiting for its first token)."""
         ahead = 0.0
-        for ticket in self._prefilling.values():
+        over: list[int] = []
+        for key, ticket in self._prefilling.items():
             cost = ticket.cost
-            tokens = (cost.prompt_tokens - cost.cached_tokens) * cost.sequences
             expected_s = cost.prefill_s
             left = 1.0 if expected_s <= 0 else 1.0 - (now - ticket.admitted_s) / expected_s
             if left > 0:
+                tokens = (cost.prompt_tokens - cost.cached_tokens) * cost.sequences
                 ahead += tokens * min(1.0, left)
+            else:
+                over.append(key)
+        for key in over:
+            del self._prefilling[key]
         return round(ahead)
 
     def progressed(self, ticket: Ticket, added_tokens: int) -> None:
