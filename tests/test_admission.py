@@ -18,6 +18,7 @@ from sidecar.admission import (
     ServerState,
 )
 from sidecar.admission.forecast import Holding, holdings_peak, steps_until_room
+from sidecar.admission.queue import Entry
 from sidecar.admission.room import KVRoom, RunningHoldings
 from sidecar.admission.wait_ratio import MIN_SAMPLES
 
@@ -154,6 +155,62 @@ def test_queue_full_carries_a_computed_retry_after() -> None:
         tpot = ctl.cost_model.tpot_s(1, 500)
         assert decision.retry_after_s == max(1.0, float(int(-(-13 * tpot // 1))))
         assert decision.details["kv_blocks"] == 10
+    finally:
+        loop.close()
+
+
+def test_arrivals_refused_by_a_full_queue_are_priced_from_one_walk_of_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the queue full, each arrival is refused with a Retry-After from its
+    predicted wait behind the queue: the queue is walked once for all of them, until it
+    or the running requests change, and gives what a walk from scratch gives."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_length=3))
+    loop = FakeClockLoop(clock)
+    try:
+        running = loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=12))
+        running.first_token()  # type: ignore[attr-defined]
+        waiting = [loop.create_task(admit(ctl, prompt_tokens=100, max_tokens=60 + i))
+                   for i in range(3)]
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(ctl.queue) == 3
+        walks: list[tuple[int, str]] = []
+        ahead_of = ctl.queue.ahead_of
+
+        def counted(band: int, tenant: str) -> list[Entry]:
+            walks.append((band, tenant))
+            return ahead_of(band, tenant)
+
+        monkeypatch.setattr(ctl.queue, "ahead_of", counted)
+
+        def refused(**kwargs: object) -> Decision:
+            with pytest.raises(Rejected) as caught:
+                loop.run_until_complete(admit(ctl, prompt_tokens=100, max_tokens=60,
+                                              **kwargs))
+            return caught.value.decision
+
+        full = [refused() for _ in range(3)]
+        assert all(d.outcome is Outcome.QUEUE_FULL for d in full)
+        assert len(walks) == 1
+        wait = full[0].details["predicted_wait_s"]
+        assert wait is not None and wait > 0
+        assert all(d.details["predicted_wait_s"] == wait for d in full)
+        ctl._walk_memo = None  # type: ignore[attr-defined]
+        assert refused().details["predicted_wait_s"] == wait
+        assert len(walks) == 2
+        # The last one queued leaves: the queue is walked again, one fewer ahead.
+        waiting[2].cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(ctl.queue) == 2
+        late = refused(ttft_slo_s=1e-6)
+        assert late.outcome is Outcome.DEADLINE and len(walks) == 3
+        shorter = late.details["predicted_wait_s"]
+        assert shorter is not None and shorter <= wait  # type: ignore[operator]
+        ctl._walk_memo = None  # type: ignore[attr-defined]
+        assert refused(ttft_slo_s=1e-6).details["predicted_wait_s"] == shorter
+        for task in waiting:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*waiting, return_exceptions=True))
     finally:
         loop.close()
 

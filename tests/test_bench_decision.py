@@ -16,10 +16,16 @@ def test_admission_decision_benchmark_smoke(tmp_path: Path) -> None:
     subprocess.run([sys.executable, str(ROOT / "bench" / "admission_decision.py"), "--smoke",
                     "--out", str(out)], check=True, timeout=300, capture_output=True)
     result = json.loads(out.read_text())
-    assert result["queued_requests"] == 10_000 and result["running_requests"] > 0
-    for part in ("decision", "enqueue", "choose_next"):
-        assert result[part]["samples"] == 1000
-        assert 0 < result[part]["p50_us"] <= result[part]["p99_us"]
+    assert [q["queued_requests"] for q in result["queues"]] == [1_000, 10_000]
+    for queue, samples in zip(result["queues"], (1000, 100), strict=True):
+        assert queue["running_requests"] > 0
+        for part in ("decision", "decision_same_queue", "enqueue", "choose_next"):
+            assert queue[part]["samples"] == samples
+            assert 0 < queue[part]["p50_us"] <= queue[part]["p99_us"]
+    assert [r["prompt_tokens"] for r in result["by_prompt_length"]] == [128, 2_000, 8_000]
+    for length in result["by_prompt_length"]:
+        assert length["prompt_blocks"] == length["prompt_tokens"] // 16
+        assert length["admit_and_finish"]["samples"] == 200
     assert [shape["shape"] for shape in result["churn"]] == ["long prompts", "short prompts"]
     for shape in result["churn"]:
         assert shape["running_requests"] > 1 and shape["prompt_blocks_per_request"] > 1

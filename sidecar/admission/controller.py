@@ -59,7 +59,7 @@ from sidecar.admission.policies import (
 )
 from sidecar.admission.prefix import PrefixPlan
 from sidecar.admission.queue import AdmissionQueue, Entry
-from sidecar.admission.room import KVRoom, RunningHoldings
+from sidecar.admission.room import KVRoom, QueueWalk, RunningHoldings
 from sidecar.admission.running import AdmissionRequest, RunningSet, Ticket
 from sidecar.admission.server_queue import ServerQueueLimits
 from sidecar.admission.sharing import PromptSharing
@@ -147,6 +147,14 @@ class _Waiter:
     holding: Holding  # what it will hold once admitted (`KVRoom.queued`)
 
 
+@dataclass(frozen=True)
+class _QueueAhead:
+    """The requests queued ahead of a newcomer, walked through the room in turn."""
+
+    walk: QueueWalk | None  # None: one of them never fits
+    blocks: int  # their reserved peaks together
+
+
 class AdmissionController:
     def __init__(
         self,
@@ -190,6 +198,9 @@ class AdmissionController:
         self.sharing = PromptSharing(self.ledger, cost_model.served.layout)
         self.room = KVRoom(self.ledger, cost_model)
         self._room_cache: tuple[int, float, RunningHoldings] | None = None
+        # The last walk of the queue (`_queue_ahead`): what it was computed from.
+        self._walk_memo: tuple[tuple[int, int, str, int], RunningHoldings,
+                               _QueueAhead | None] | None = None
 
     # ---- prefix caching ---------------------------------------------------------------
 
@@ -470,23 +481,44 @@ class AdmissionController:
         running = self._running_holdings(now)
         target = self.ledger.target_blocks
         step_s = self._step_s(now)
-        queued = [waiter for entry in self.queue.ahead_of(band, request.tenant)
-                  if isinstance(waiter := entry.payload, _Waiter)]
+        ahead = self._queue_ahead(running, band, request.tenant, target)
         if plan is None:
             plan = self._plan(request)
         charge = self._charge(plan, cost)
-        if not queued:
+        if ahead is None:
             if len(running.tickets) <= _EXACT_WAIT_RUNNING:
                 steps = self.room.steps_until_fits(running, request, cost, plan, target)
             else:
                 steps = self.room.steps_until_room(running, charge, target)
         else:
-            steps = self.room.steps_behind(running, [waiter.holding for waiter in queued],
-                                           self.room.queued(request, cost), target)
-            charge += sum(waiter.cost.kv_blocks for waiter in queued)
+            steps = math.inf if ahead.walk is None else ahead.walk.copy().steps_until_admitted(
+                self.room.queued(request, cost), target)
+            charge += ahead.blocks
         if math.isfinite(steps):
             return steps * step_s
         return self._unexplained_wait_s(running, charge, step_s)
+
+    def _queue_ahead(self, running: RunningHoldings, band: int, tenant: str,
+                     target: int) -> _QueueAhead | None:
+        """The requests queued ahead of a newcomer of `tenant` in `band`, walked through
+        the room in turn (`KVRoom.steps_behind`); None when nobody is. Walked again only
+        when the queue, the running requests' holdings or the target changed: a full
+        queue refuses arrivals (each priced for its Retry-After) without walking it
+        for every one."""
+        key = (self.queue.version, band, tenant, target)
+        memo = self._walk_memo
+        if memo is not None and memo[0] == key and memo[1] is running:
+            return memo[2]
+        queued = [waiter for entry in self.queue.ahead_of(band, tenant)
+                  if isinstance(waiter := entry.payload, _Waiter)]
+        ahead: _QueueAhead | None = None
+        if queued:
+            walk = QueueWalk(running.profile)
+            fits = walk.admit_all([waiter.holding for waiter in queued], target)
+            ahead = _QueueAhead(walk if fits else None,
+                                sum(waiter.cost.kv_blocks for waiter in queued))
+        self._walk_memo = (key, running, ahead)
+        return ahead
 
     def _unexplained_wait_s(self, running: RunningHoldings, blocks: float,
                             step_s: float) -> float:

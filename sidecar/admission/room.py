@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from sidecar.admission.cost import CostModel, RequestCost
@@ -342,28 +342,110 @@ class KVRoom:
         (inf: never). What the running requests and the queued ones admitted so far
         hold from a step on never grows later, so each request needs checking only at
         the step it would start: O((running + queued) log) in all."""
-        profile = running.profile
-        ends: list[tuple[int, float]] = []  # (last step, peak) of those admitted
-        held = 0.0
-        step = 0
-        for holding in (*queued, mine):
-            while True:
-                while ends and ends[0][0] <= step:
-                    held -= heapq.heappop(ends)[1]
-                most, changes_at = profile.most_from(step)
-                if most + held + holding.cap_blocks <= limit_blocks + 1e-9:
-                    break
-                candidates = [at for at in (changes_at, ends[0][0] if ends else None)
-                              if at is not None]
-                if not candidates:
-                    return math.inf
-                step = min(candidates)
-            heapq.heappush(ends, (step + max(1, holding.end_steps), holding.cap_blocks))
-            held += holding.cap_blocks
-        return float(step)
+        walk = QueueWalk(running.profile)
+        if not walk.admit_all(queued, limit_blocks):
+            return math.inf
+        return walk.steps_until_admitted(mine, limit_blocks)
 
     def steps_until_room(self, running: RunningHoldings, blocks: float,
                          limit_blocks: float) -> float:
         """Steps until `blocks` more blocks fit for good (inf: not even once every
         running request has finished)."""
         return running.profile.steps_until_room(blocks, limit_blocks)
+
+
+class QueueWalk:
+    """The queue's requests admitted in turn as room frees (`KVRoom.steps_behind`):
+    where the walk stands after those taken so far, so that a newcomer behind the
+    same queue is priced from here (`steps_until_admitted`) without walking it again."""
+
+    __slots__ = ("_at", "_changes", "_ends", "_held", "_most", "_profile", "step")
+
+    def __init__(self, profile: RoomProfile) -> None:
+        self._profile = profile
+        self._ends: list[tuple[int, float]] = []  # (last step, peak) of those admitted
+        self._held = 0.0
+        self.step = 0
+        # The running requests' most from `_at` on, and where that may change.
+        self._at = -1
+        self._most = 0.0
+        self._changes: int | None = None
+
+    def copy(self) -> QueueWalk:
+        other = QueueWalk(self._profile)
+        other._ends, other._held, other.step = list(self._ends), self._held, self.step
+        other._at, other._most, other._changes = self._at, self._most, self._changes
+        return other
+
+    def admit(self, holding: Holding, limit_blocks: float) -> bool:
+        """Admit `holding` at the first step it fits from where the walk stands; False
+        when it never does (the walk is then over)."""
+        ends = self._ends
+        step = self.step
+        held = self._held
+        cap = holding.cap_blocks
+        limit = limit_blocks + 1e-9
+        while True:
+            while ends and ends[0][0] <= step:
+                held -= heapq.heappop(ends)[1]
+            if self._at != step:
+                self._most, self._changes = self._profile.most_from(step)
+                self._at = step
+            if self._most + held + cap <= limit:
+                break
+            # The next step at which less may be held: a running request's or an
+            # admitted one's last step.
+            changes = self._changes
+            if ends:
+                first_end = ends[0][0]
+                step = first_end if changes is None or first_end < changes else changes
+            elif changes is None:
+                self._held = held
+                return False
+            else:
+                step = changes
+        heapq.heappush(ends, (step + max(1, holding.end_steps), cap))
+        self._held = held + cap
+        self.step = step
+        return True
+
+    def admit_all(self, holdings: Iterable[Holding], limit_blocks: float) -> bool:
+        """`admit` each in turn (the same walk, its loop kept in local variables: a
+        long queue is walked for every arrival); False when one never fits."""
+        ends = self._ends
+        step, held = self.step, self._held
+        at, most, changes = self._at, self._most, self._changes
+        most_from = self._profile.most_from
+        heappop, heappush = heapq.heappop, heapq.heappush
+        limit = limit_blocks + 1e-9
+        fits = True
+        for holding in holdings:
+            cap = holding.cap_blocks
+            while True:
+                while ends and ends[0][0] <= step:
+                    held -= heappop(ends)[1]
+                if at != step:
+                    most, changes = most_from(step)
+                    at = step
+                if most + held + cap <= limit:
+                    break
+                if ends:
+                    first_end = ends[0][0]
+                    step = first_end if changes is None or first_end < changes else changes
+                elif changes is None:
+                    fits = False
+                    break
+                else:
+                    step = changes
+            if not fits:
+                break
+            heappush(ends, (step + max(1, holding.end_steps), cap))
+            held += cap
+        self.step, self._held = step, held
+        self._at, self._most, self._changes = at, most, changes
+        return fits
+
+    def steps_until_admitted(self, holding: Holding, limit_blocks: float) -> float:
+        """The step `holding` is admitted at after those walked (inf: never); the walk
+        takes it."""
+        return float(self.step) if self.admit(holding, limit_blocks) else math.inf
