@@ -5,7 +5,7 @@ per token.
 
 `CostModel` wraps the analytical model (`ServedModel`) and memoises the few
 functions the hot path calls, bucketing continuous inputs so that a decision costs
-microseconds.
+microseconds (the queue ahead of it is priced apart: `room`).
 """
 
 from __future__ import annotations
