@@ -13,6 +13,7 @@ import pytest
 
 from sidecar.model import Deployment, DeploymentError, ServedModel, parse_config, read_architecture
 from sidecar.model.gpu import find_gpu
+from sidecar.model.lifecycle import Step
 from sidecar.model.units import cdiv
 
 DATA = Path(__file__).parent / "data" / "planner"
@@ -178,3 +179,19 @@ def test_deepseek_v4_caches_and_their_blocks() -> None:
         cdiv(1200, 4) + cdiv(1200, 8))
     with pytest.raises(DeploymentError, match="fp8_ds_mla"):
         served("deepseek-ai__DeepSeek-V4-Flash", kv_cache_dtype="bfloat16")
+
+
+@pytest.mark.parametrize("model", sorted(path.stem for path in DATA.glob("*.json")))
+def test_blocks_held_by_token_count_equal_the_step_by_step_view(model: str) -> None:
+    """Where no group frees blocks as a request advances, what a request holds is looked
+    up by its token count (memoised): the same as the step that wrote its last token
+    holds, for every layer kind (state groups, DSA indexers, padded hybrids)."""
+    lifecycle = served(model, max_model_len=16_384).lifecycle
+    for prompt in (0, 1, 63, 64, 65, 1000, 8191, 8193):
+        for produced in (0, 1, 2, 63, 64, 65, 500):
+            if prompt + produced == 0:
+                continue
+            step = (Step(0, prompt, 0) if produced <= 0
+                    else lifecycle.decode_step(prompt, produced))
+            assert lifecycle.blocks_now(prompt, produced) == lifecycle.held(step), (
+                prompt, produced)

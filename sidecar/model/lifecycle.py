@@ -48,6 +48,11 @@ class KVLifecycle:
         self.chunk_tokens = chunk_tokens
         self.in_flight_steps = max(0, in_flight_steps)
         self.peak_blocks = lru_cache(maxsize=65_536)(self._peak_blocks)
+        # Where no group frees blocks as a request advances, what it holds depends only
+        # on its tokens so far (`blocks_now`, read for every running request as room is
+        # judged).
+        self._growing = not layout.recycles_blocks
+        self._held_by_tokens = lru_cache(maxsize=65_536)(self._held_for)
 
     def prefill_steps(self, prompt_tokens: int) -> list[Step]:
         steps: list[Step] = []
@@ -78,9 +83,18 @@ class KVLifecycle:
 
     def blocks_now(self, prompt_tokens: int, produced: int) -> int:
         """Blocks held once `produced` output tokens exist (0: the prompt is cached)."""
+        if self._growing:
+            tokens = prompt_tokens + max(0, produced)
+            return self._held_by_tokens(tokens) if tokens else 0
         if produced <= 0:
             return self.held(Step(0, prompt_tokens, 0)) if prompt_tokens else 0
         return self.held(self.decode_step(prompt_tokens, produced))
+
+    def _held_for(self, tokens: int) -> int:
+        """What a sequence of `tokens` tokens holds in a layout that only grows: as the
+        step that writes its last token holds (its prefill, or a decode step: every group
+        holds its blocks for all the tokens written, whatever has been processed)."""
+        return self.held(Step(0, tokens, 0))
 
     def growth_bound(self, allocated_tokens: int) -> tuple[float, float]:
         """(offset_blocks, blocks_per_token) per sequence: holding the slots of
