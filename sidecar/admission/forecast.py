@@ -16,6 +16,7 @@ import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,11 @@ def kv_forecast(
 # peaks of all of them added up fit.
 
 
-@dataclass(frozen=True)
-class Holding:
+class Holding(NamedTuple):
     """One request's KV blocks over the engine steps ahead (step 0 is the next one):
     at most `min(cap_blocks, start_blocks + blocks_per_step * step)` while
-    `step < end_steps`, none after."""
+    `step < end_steps`, none after. (A named tuple: one is made for every running
+    request each time room is judged near capacity.)"""
 
     start_blocks: float
     blocks_per_step: float
