@@ -9,6 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.admission import (
+    AdmissionController,
     AdmissionRequest,
     Decision,
     Mode,
@@ -137,15 +138,25 @@ def test_queue_then_admit_when_kv_frees_in_fcfs_order() -> None:
         loop.close()
 
 
-def test_queue_full_carries_a_computed_retry_after() -> None:
+def full_queue(queued: int) -> tuple[AdmissionController, FakeClockLoop,
+                                    list[asyncio.Task[object]]]:
+    """A 41-block cache with a 500-token request running (its first token seen) and
+    `queued` requests of 100 tokens waiting behind it: the queue full."""
     clock = FakeClock()
-    ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_length=1))
+    ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_length=queued))
     loop = FakeClockLoop(clock)
+    running = loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=12))
+    running.first_token()  # type: ignore[attr-defined]
+    waiting = [loop.create_task(admit(ctl, prompt_tokens=100, max_tokens=60 + i))
+               for i in range(queued)]
+    loop.run_until_complete(asyncio.sleep(0))
+    assert len(ctl.queue) == queued
+    return ctl, loop, waiting
+
+
+def test_queue_full_carries_a_computed_retry_after() -> None:
+    ctl, loop, _ = full_queue(1)
     try:
-        running = loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=12))
-        running.first_token()  # type: ignore[attr-defined]
-        loop.create_task(admit(ctl, prompt_tokens=100, max_tokens=60))
-        loop.run_until_complete(asyncio.sleep(0))
         with pytest.raises(Rejected) as full:
             loop.run_until_complete(admit(ctl, prompt_tokens=100, max_tokens=60))
         decision = full.value.decision
@@ -164,16 +175,8 @@ def test_arrivals_refused_by_a_full_queue_are_priced_from_one_walk_of_it(
     """With the queue full, each arrival is refused with a Retry-After from its
     predicted wait behind the queue: the queue is walked once for all of them, until it
     or the running requests change, and gives what a walk from scratch gives."""
-    clock = FakeClock()
-    ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_length=3))
-    loop = FakeClockLoop(clock)
+    ctl, loop, waiting = full_queue(3)
     try:
-        running = loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=12))
-        running.first_token()  # type: ignore[attr-defined]
-        waiting = [loop.create_task(admit(ctl, prompt_tokens=100, max_tokens=60 + i))
-                   for i in range(3)]
-        loop.run_until_complete(asyncio.sleep(0))
-        assert len(ctl.queue) == 3
         walks: list[tuple[int, str]] = []
         ahead_of = ctl.queue.ahead_of
 
