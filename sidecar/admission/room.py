@@ -377,41 +377,10 @@ class QueueWalk:
         other._at, other._most, other._changes = self._at, self._most, self._changes
         return other
 
-    def admit(self, holding: Holding, limit_blocks: float) -> bool:
-        """Admit `holding` at the first step it fits from where the walk stands; False
-        when it never does (the walk is then over)."""
-        ends = self._ends
-        step = self.step
-        held = self._held
-        cap = holding.cap_blocks
-        limit = limit_blocks + 1e-9
-        while True:
-            while ends and ends[0][0] <= step:
-                held -= heapq.heappop(ends)[1]
-            if self._at != step:
-                self._most, self._changes = self._profile.most_from(step)
-                self._at = step
-            if self._most + held + cap <= limit:
-                break
-            # The next step at which less may be held: a running request's or an
-            # admitted one's last step.
-            changes = self._changes
-            if ends:
-                first_end = ends[0][0]
-                step = first_end if changes is None or first_end < changes else changes
-            elif changes is None:
-                self._held = held
-                return False
-            else:
-                step = changes
-        heapq.heappush(ends, (step + max(1, holding.end_steps), cap))
-        self._held = held + cap
-        self.step = step
-        return True
-
     def admit_all(self, holdings: Iterable[Holding], limit_blocks: float) -> bool:
-        """`admit` each in turn (the same walk, its loop kept in local variables: a
-        long queue is walked for every arrival); False when one never fits."""
+        """Admit each in turn at the first step it fits from where the walk stands (its
+        loop kept in local variables: a long queue is walked for every arrival); False
+        when one never fits (the walk is then over)."""
         ends = self._ends
         step, held = self.step, self._held
         at, most, changes = self._at, self._most, self._changes
@@ -448,4 +417,4 @@ class QueueWalk:
     def steps_until_admitted(self, holding: Holding, limit_blocks: float) -> float:
         """The step `holding` is admitted at after those walked (inf: never); the walk
         takes it."""
-        return float(self.step) if self.admit(holding, limit_blocks) else math.inf
+        return float(self.step) if self.admit_all((holding,), limit_blocks) else math.inf
