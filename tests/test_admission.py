@@ -20,7 +20,7 @@ from sidecar.admission import (
 )
 from sidecar.admission.forecast import Holding, holdings_peak, steps_until_room
 from sidecar.admission.queue import Entry
-from sidecar.admission.room import KVRoom, RunningHoldings
+from sidecar.admission.room import QueueWalk, RunningHoldings
 from sidecar.admission.wait_ratio import MIN_SAMPLES
 
 from support.admission_fixtures import FakeClock, FakeClockLoop, controller
@@ -732,7 +732,9 @@ def test_the_wait_behind_queued_requests_matches_a_step_by_step_replay(
     predicted step it fits."""
     held = RunningHoldings((), tuple(running), base, 0)
     *ahead, mine = queued or [Holding(1.0, 0.0, 1.0, 1)]
-    predicted = KVRoom.steps_behind(KVRoom.__new__(KVRoom), held, ahead, mine, limit)
+    walk = QueueWalk(held.profile)
+    predicted = (walk.steps_until_admitted(mine, limit) if walk.admit_all(ahead, limit)
+                 else float("inf"))
     horizon = (max((h.end_steps for h in running), default=0)
                + sum(max(1, h.end_steps) for h in queued) + 2)
 

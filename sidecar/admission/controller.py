@@ -476,7 +476,7 @@ class AdmissionController:
         holdings leave it room for good, at the predicted time per step (the answer
         admission gives). Requests queued ahead: they do not wait for room all at
         once; each is admitted in turn as room frees, holding its peak until its last
-        step, and this request after them (`KVRoom.steps_behind`)."""
+        step, and this request after them (`QueueWalk`)."""
         now = self.clock()
         running = self._running_holdings(now)
         target = self.ledger.target_blocks
@@ -501,7 +501,7 @@ class AdmissionController:
     def _queue_ahead(self, running: RunningHoldings, band: int, tenant: str,
                      target: int) -> _QueueAhead | None:
         """The requests queued ahead of a newcomer of `tenant` in `band`, walked through
-        the room in turn (`KVRoom.steps_behind`); None when nobody is. Walked again only
+        the room in turn (`QueueWalk`); None when nobody is. Walked again only
         when the queue, the running requests' holdings or the target changed: a full
         queue refuses arrivals (each priced for its Retry-After) without walking it
         for every one."""

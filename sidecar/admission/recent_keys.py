@@ -53,15 +53,16 @@ class RecentKeys:
         self.reused_blocks = 0  # keys taken from a recent prompt rather than hashed
         # The last ids converted, and their bytes: the same prompt's ids come back as the
         # same object while the tokenizer's cache holds them (held here, so never reused).
-        self._last: tuple[Sequence[int], bytes] | None = None
+        self._last: tuple[tuple[int, ...], bytes] | None = None
 
     def keys(self, token_ids: Sequence[int], salt: bytes = b"") -> tuple[bytes, ...]:
         last = self._last
-        if last is not None and last[0] is token_ids and isinstance(token_ids, tuple):
+        if last is not None and last[0] is token_ids:
             data = last[1]
         else:
             data = token_bytes(token_ids)
-            self._last = (token_ids, data)
+            if isinstance(token_ids, tuple):  # a list may change under the same object
+                self._last = (token_ids, data)
         step = self._step
         full = len(data) // step
         if full == 0:

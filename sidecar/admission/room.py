@@ -334,19 +334,6 @@ class KVRoom:
         """What a queued request will hold once admitted (prompt sharing not counted)."""
         return self.newcomer(request, cost, PrefixPlan.none())
 
-    def steps_behind(self, running: RunningHoldings, queued: Sequence[Holding],
-                     mine: Holding, limit_blocks: float) -> float:
-        """Steps until `mine` is admitted behind `queued`: each, in order, at the first
-        step (not before the one ahead of it) from which its peak stays within the limit
-        beside what is held then and after, and holding its peak until its last step
-        (inf: never). What the running requests and the queued ones admitted so far
-        hold from a step on never grows later, so each request needs checking only at
-        the step it would start: O((running + queued) log) in all."""
-        walk = QueueWalk(running.profile)
-        if not walk.admit_all(queued, limit_blocks):
-            return math.inf
-        return walk.steps_until_admitted(mine, limit_blocks)
-
     def steps_until_room(self, running: RunningHoldings, blocks: float,
                          limit_blocks: float) -> float:
         """Steps until `blocks` more blocks fit for good (inf: not even once every
@@ -355,9 +342,14 @@ class KVRoom:
 
 
 class QueueWalk:
-    """The queue's requests admitted in turn as room frees (`KVRoom.steps_behind`):
-    where the walk stands after those taken so far, so that a newcomer behind the
-    same queue is priced from here (`steps_until_admitted`) without walking it again."""
+    """The queue's requests admitted in turn as room frees beside the running ones
+    (`profile`): each, in order, at the first step (not before the one ahead of it) from
+    which its peak stays within the limit beside what is held then and after, holding
+    its peak until its last step. What the running requests and the queued ones
+    admitted so far hold from a step on never grows later, so each request needs
+    checking only at the step it would start: O((running + queued) log) in all. The
+    walk keeps where it stands, so that a newcomer behind the same queue is priced from
+    there (`steps_until_admitted`) without walking the queue again."""
 
     __slots__ = ("_at", "_changes", "_ends", "_held", "_most", "_profile", "step")
 

@@ -129,7 +129,7 @@ class PromptSharing:
         counts = self.ledger.holder_counts
         last_held = ([key for key in reservation.keys if counts.get(key) == 1]
                      if reservation.filled else [])
-        if reservation.release() and last_held and reservation.filled:
+        if reservation.release() and last_held:
             free = self.ledger.capacity_blocks - self.ledger.effective_used_blocks
             self.traffic_cache.freed(last_held, free)
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import operator
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -164,7 +165,7 @@ class Services:
         self.prompts = PromptCounter(self.metrics, check_every=settings.tokenizer_check_every,
                                      log_prompts=settings.log_prompts)
         # What the controller's server state was last derived from (see `refresh`).
-        self._refreshed: tuple[object, ...] = ()
+        self._refreshed: tuple[object, ...] | None = None
 
     # ---- the model's tokenizer --------------------------------------------------------
 
@@ -487,11 +488,18 @@ class Services:
                 self._health_logged.add(kind)
                 log.warning("calibration: %s", warning)
 
-    def _server_state(self, view: UpstreamView) -> ServerState:
-        fresh = view.metrics_age_s(self.clock()) <= self.settings.metrics_stale_s
+    def _freshness(self, view: UpstreamView, now: float) -> tuple[bool, bool]:
+        """(the scrape's figures are fresh, the server went idle since the scrape
+        before): what, with the scrape itself, the server state is derived from."""
+        fresh = view.metrics_age_s(now) <= self.settings.metrics_stale_s
+        return fresh, fresh and view.metrics is not None and self._idle(view)
+
+    def _server_state(self, view: UpstreamView,
+                      freshness: tuple[bool, bool] | None = None) -> ServerState:
+        fresh, idle = freshness or self._freshness(view, self.clock())
         metrics = view.metrics if fresh else None
         num_blocks = self.learned.num_blocks if self.learned else None
-        if metrics is not None and self._idle(view):
+        if idle:
             # No engine step since the last scrape: vLLM's gauges still hold the last
             # step's values, while its requests are done and their blocks free.
             return ServerState(available=view.up, num_blocks=num_blocks, used_blocks=0,
@@ -527,21 +535,20 @@ class Services:
             return
         self._update_prefix_source()
         view = watcher.view
-        fresh = view.metrics_age_s(now) <= self.settings.metrics_stale_s
-        idle = fresh and view.metrics is not None and self._idle(view)
+        freshness = self._freshness(view, now)
         # The state is derived again only when what it is derived from changed: another
         # scrape, the figures going stale, the server going idle (once per request
         # otherwise: a decision's hot path).
-        derived_from = (controller, view, self.learned, controller.server, fresh, idle)
-        if len(self._refreshed) == len(derived_from) and all(
-                a is b for a, b in zip(self._refreshed, derived_from, strict=True)):
+        derived_from = (controller, view, self.learned, controller.server, *freshness)
+        if self._refreshed is not None and all(
+                map(operator.is_, self._refreshed, derived_from)):
             return
-        state = self._server_state(view)
+        state = self._server_state(view, freshness)
         # The server's figures are re-read only when a scrape (or their staleness,
         # or the server going idle) changed them: they describe the scrape's moment.
         if state != controller.server:
             controller.update_server(state)
-        self._refreshed = (controller, view, self.learned, controller.server, fresh, idle)
+        self._refreshed = (controller, view, self.learned, controller.server, *freshness)
 
     # ---- observations ----------------------------------------------------------------
 
