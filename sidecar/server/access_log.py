@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
-from typing import Literal
+from typing import Literal, TypeVar
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
@@ -151,6 +151,12 @@ class RequestRecord:
             self.end, self.upstream_error = END_UPSTREAM_CUT, "connect"
         return response
 
+    def forwarding(self, ticket: Ticket | None, *, stream: bool | None) -> None:
+        """The request is about to be sent to the server."""
+        self.forwarded = True
+        self.ticket = ticket
+        self.stream = stream
+
     def broke(self, kind: str) -> None:
         """The server's answer broke off mid-response (`kind`: timeout or disconnect)."""
         self.end = END_TIMEOUT if kind == "timeout" else END_UPSTREAM_CUT
@@ -166,22 +172,16 @@ def record(request: web.Request) -> RequestRecord:
     return found
 
 
-def forwarding(request: web.Request, ticket: Ticket | None, *, stream: bool | None
-               ) -> RequestRecord:
-    """The record of a request about to be sent to the server."""
-    found = record(request)
-    found.forwarded = True
-    found.ticket = ticket
-    found.stream = stream
-    return found
-
-
 RECORD = web.RequestKey("kvgate_access_record", RequestRecord)
 
 
 def _route(request: web.Request) -> str:
-    path = request.rel_url.raw_path  # percent-encoded, without the query
-    return path if len(path) <= MAX_ROUTE_CHARS else path[:MAX_ROUTE_CHARS] + "..."
+    return route_of(request.rel_url.raw_path)
+
+
+def route_of(raw_path: str) -> str:
+    """The route field: the percent-encoded path, without the query, bounded."""
+    return raw_path if len(raw_path) <= MAX_ROUTE_CHARS else raw_path[:MAX_ROUTE_CHARS] + "..."
 
 
 # ---- the line ------------------------------------------------------------------------
@@ -499,6 +499,28 @@ ACCESS_LOG = web.AppKey("access_log", AccessLog)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+R = TypeVar("R", bound=web.StreamResponse)
+
+
+async def logged(access: AccessLog, entry: RequestRecord, handle: Callable[[], Awaitable[R]],
+                 drain_cut: str) -> R:
+    """Run a proxied request's handler under its id, and write its line when it ends
+    (however it ends: answered, cancelled, failed)."""
+    REQUEST_ID.set(entry.id)  # this request's own task: nothing to reset
+    response: R | None = None
+    cancelled = False
+    try:
+        response = await handle()
+        return response
+    except asyncio.CancelledError as exc:
+        cancelled = True
+        if exc.args and exc.args[0] == drain_cut and entry.end is None:
+            entry.end = END_DRAIN
+        raise
+    finally:
+        access.finish(entry, response, cancelled=cancelled)
+
+
 def middleware(access: AccessLog, proxied: Collection[Handler], drain_cut: str) -> Middleware:
     """The id and the access-log line of every request to a `proxied` handler."""
 
@@ -508,21 +530,16 @@ def middleware(access: AccessLog, proxied: Collection[Handler], drain_cut: str) 
             return await handler(request)
         entry = RequestRecord(request_id(request.headers), request.method, _route(request))
         request[RECORD] = entry
-        REQUEST_ID.set(entry.id)  # this request's own task: nothing to reset
-        response: web.StreamResponse | None = None
-        cancelled = False
-        try:
-            response = await handler(request)
-            return response
-        except asyncio.CancelledError as exc:
-            cancelled = True
-            if exc.args and exc.args[0] == drain_cut and entry.end is None:
-                entry.end = END_DRAIN
-            raise
-        finally:
-            access.finish(entry, response, cancelled=cancelled)
+        return await logged(access, entry, lambda: handler(request), drain_cut)
 
     return access_log
+
+
+def stamp(entry: RequestRecord, response: web.StreamResponse) -> None:
+    """A proxied request's answer carries its id; its status is recorded as sent."""
+    response.headers[REQUEST_ID_HEADER] = entry.id
+    if entry.status is None and response.status != STATUS_CLIENT_GONE:
+        entry.status = response.status
 
 
 async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
@@ -531,9 +548,7 @@ async def on_prepare(request: web.Request, response: web.StreamResponse) -> None
     if entry is None:
         response.headers[REQUEST_ID_HEADER] = request_id(request.headers)
         return
-    response.headers[REQUEST_ID_HEADER] = entry.id
-    if entry.status is None and response.status != STATUS_CLIENT_GONE:
-        entry.status = response.status
+    stamp(entry, response)
 
 
 def context(access: AccessLog) -> Callable[[web.Application], AsyncIterator[None]]:

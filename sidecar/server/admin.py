@@ -7,6 +7,7 @@ import hmac
 import json
 import os
 from collections import Counter
+from collections.abc import Sized
 from typing import Any
 
 from aiohttp import web
@@ -19,6 +20,8 @@ from sidecar.server.keys import SERVICES
 REGISTRY = web.AppKey("registry", CollectorRegistry)
 # The process's HTTP runners (main and admin port), for the connection counts of /state.
 RUNNERS = web.AppKey("runners", list[web.AppRunner])
+# The connections kvgate's lean front end holds (server/front.py), for the same counts.
+FRONT_CONNECTIONS = web.AppKey("front_connections", Sized)
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -83,6 +86,7 @@ def _process(request: web.Request) -> dict[str, Any]:
     services = request.app[SERVICES]
     runners = request.app.get(RUNNERS, [])
     clients = sum(len(r.server.connections) for r in runners if r.server is not None)
+    clients += len(request.app.get(FRONT_CONNECTIONS, ()))
     upstream: dict[str, int] | None = None
     if services.client is not None:
         upstream = services.client.connections()

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry
 from sidecar import __version__
 from sidecar.model import ModelArchitecture, read_architecture
 from sidecar.server import access_log, admin, proxy
+from sidecar.server.front import FrontDoor
 from sidecar.server.keys import SERVICES, SESSION
 from sidecar.server.requests import ROUTES
 from sidecar.server.services import Services, resolve_gpu
@@ -147,16 +148,29 @@ async def serve(settings: ServeSettings, *, stop: asyncio.Event | None = None) -
                            shutdown_timeout=1.0, keepalive_timeout=IDLE_TIMEOUT_S)
     runners.append(runner)
     await runner.setup()
-    sites = [web.TCPSite(runner, settings.host, settings.port, backlog=4096)]
+    front: FrontDoor | None = None
+    sites: list[web.BaseSite] = []
+    if settings.front_end == "lean":
+        assert runner.server is not None
+        front = FrontDoor(app, proxy.generation, runner.server, access=app[access_log.ACCESS_LOG],
+                          routes=frozenset(ROUTES), max_body_bytes=settings.max_body_bytes,
+                          idle_timeout_s=IDLE_TIMEOUT_S, drain_cut=proxy.DRAIN_CUT)
+        app[admin.FRONT_CONNECTIONS] = front.connections
+    else:
+        sites.append(web.TCPSite(runner, settings.host, settings.port, backlog=4096))
     admin_runner: web.AppRunner | None = None
     if settings.admin_port is not None:
         admin_app = build_admin_app(services, registry)
         admin_app[admin.RUNNERS] = runners
+        if front is not None:
+            admin_app[admin.FRONT_CONNECTIONS] = front.connections
         admin_runner = web.AppRunner(admin_app, access_log=None,
                                      keepalive_timeout=IDLE_TIMEOUT_S)
         runners.append(admin_runner)
         await admin_runner.setup()
         sites.append(web.TCPSite(admin_runner, settings.host, settings.admin_port))
+    if front is not None:
+        await front.start(settings.host, settings.port, backlog=4096)
     for site in sites:
         await site.start()
     log.info("kvgate %s listening on %s:%d, upstream %s, mode %s", __version__, settings.host,
@@ -170,6 +184,8 @@ async def serve(settings: ServeSettings, *, stop: asyncio.Event | None = None) -
         await stop.wait()
         await drain(services, settings.drain_timeout_s, app[proxy.RUNNING])
     finally:
+        if front is not None:
+            await front.stop(timeout_s=1.0)
         await runner.cleanup()
         if admin_runner is not None:
             await admin_runner.cleanup()

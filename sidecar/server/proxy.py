@@ -27,6 +27,7 @@ from sidecar.server import access_log
 from sidecar.server.client_headers import PRIORITY, TENANT, TTFT_SLO, parse_steering
 from sidecar.server.errors import error_response, rejection_response
 from sidecar.server.keys import SERVICES
+from sidecar.server.lean import LeanRequest
 from sidecar.server.prefix_keys import prompt_keys
 from sidecar.server.requests import (
     BadRequest,
@@ -145,7 +146,15 @@ def _upstream_failed(services: Services, exc: ForwardError) -> web.Response:
     return _unavailable(f"the model server is unavailable ({name})")
 
 
-async def _read_body(request: web.Request) -> bytes | web.Response:
+# A request as aiohttp reads it, or as kvgate's lean front end does (server/front.py).
+Incoming = web.Request | LeanRequest
+
+
+def _record(request: Incoming) -> access_log.RequestRecord:
+    return request.record if isinstance(request, LeanRequest) else access_log.record(request)
+
+
+async def _read_body(request: Incoming) -> bytes | web.Response:
     try:
         return await request.read()
     except web.HTTPRequestEntityTooLarge:
@@ -156,13 +165,13 @@ async def _read_body(request: web.Request) -> bytes | web.Response:
         )
 
 
-async def generation(request: web.Request) -> web.StreamResponse:
+async def generation(request: Incoming) -> web.StreamResponse:
     services = request.app[SERVICES]
     with services.tracking_request():
         return await _generation(request, services)
 
 
-async def _generation(request: web.Request, services: Services) -> web.StreamResponse:
+async def _generation(request: Incoming, services: Services) -> web.StreamResponse:
     arrived_at = time.monotonic()
     raw = await _read_body(request)
     if isinstance(raw, web.Response):
@@ -194,7 +203,7 @@ async def _generation(request: web.Request, services: Services) -> web.StreamRes
         tenant=steering.tenant,
         ttft_slo_s=steering.ttft_slo_s,
     )
-    access_log.record(request).admission = admission
+    _record(request).admission = admission
     try:
         ticket = await controller.admit(admission)
     except Rejected as rejected:
@@ -217,7 +226,7 @@ async def passthrough(request: web.Request) -> web.StreamResponse:
 
 
 async def forward(
-    request: web.Request,
+    request: Incoming,
     raw: bytes,
     services: Services,
     *,
@@ -232,7 +241,8 @@ async def forward(
     relay = _Relay(counter, ticket)
     sent_at = time.monotonic()
     batch_at_start = services.controller.inflight if services.controller else 0
-    record = access_log.forwarding(request, ticket, stream=gen.stream if gen else None)
+    record = _record(request)
+    record.forwarding(ticket, stream=gen.stream if gen else None)
     task = asyncio.current_task()
     running = request.app[RUNNING]
     if task is not None:
@@ -298,7 +308,7 @@ class _Relay:
             ticket.progress(self.counter.tokens)
 
 
-async def _relay_response(request: web.Request, upstream: ForwardResponse,
+async def _relay_response(request: Incoming, upstream: ForwardResponse,
                           services: Services, record: access_log.RequestRecord,
                           relay: _Relay, gen: GenerationRequest | None,
                           ticket: Ticket | None) -> web.StreamResponse:
@@ -316,12 +326,10 @@ async def _relay_response(request: web.Request, upstream: ForwardResponse,
             status=upstream.status, reason=upstream.reason, body=body, headers=headers)
         _settle(services, upstream, relay)
         return response
-    response = web.StreamResponse(status=upstream.status, reason=upstream.reason,
-                                  headers=headers)
     length = upstream.headers.get("Content-Length")
-    if length is not None and not (gen and gen.stream):
-        response.content_length = int(length)
-    await response.prepare(request)
+    response = await _start_stream(request, upstream.status, upstream.reason, headers,
+                                   int(length) if length is not None and not (gen and gen.stream)
+                                   else None)
     try:
         while chunk := await upstream.read_chunk():
             relay.feed(chunk)
@@ -361,6 +369,20 @@ async def _relay_response(request: web.Request, upstream: ForwardResponse,
         await response.write(rest)
     await response.write_eof()
     _settle(services, upstream, relay)
+    return response
+
+
+async def _start_stream(request: Incoming, status: int, reason: str | None,
+                        headers: list[tuple[str, str]], length: int | None
+                        ) -> web.StreamResponse:
+    """A streamed answer, its head sent: chunk by chunk after it (under `length` when
+    the server gave one for a body that is not a stream)."""
+    if isinstance(request, LeanRequest):
+        return request.start_stream(status, reason, headers, length)
+    response = web.StreamResponse(status=status, reason=reason, headers=headers)
+    if length is not None:
+        response.content_length = length
+    await response.prepare(request)
     return response
 
 

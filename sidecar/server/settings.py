@@ -133,6 +133,11 @@ class ServeSettings(BaseModel):
         "auto", description="the event loop: uvloop (what vLLM runs on; as fast as "
         "asyncio's own or a little faster in bench/overhead.py --canned), or asyncio's "
         "own; auto: uvloop when installed")
+    front_end: Literal["lean", "aiohttp"] = Field(
+        "lean", description="how requests are read off the socket: lean (kvgate reads a "
+        "plain POST to a generation route itself and writes its answer straight to the "
+        "socket; any other request, and the rest of its connection, goes to aiohttp), or "
+        "aiohttp for every request")
     connect_timeout_s: float = Field(5.0, gt=0, description="upstream connect timeout")
     upstream_keepalive_s: float = Field(
         4.0, gt=0, description="close connections to the server idle this long: keep it "

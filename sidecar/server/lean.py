@@ -1,0 +1,229 @@
+"""A generation request read by kvgate's own HTTP/1.1 reader (server/front.py), and its
+answer written straight to the socket.
+
+The proxy handles these as it handles aiohttp's requests: `LeanRequest` has the few
+attributes of `web.Request` the proxy reads, and `LeanStream` is a `web.StreamResponse`
+whose head is written when it is made and whose body goes out chunk by chunk
+(chunked transfer encoding, or as is under a Content-Length). The reader only takes
+requests it parses without doubt (`parse_head`): anything else is aiohttp's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from email.utils import formatdate
+from typing import Protocol
+
+import aiohttp
+from aiohttp import web
+from multidict import CIMultiDict, CIMultiDictProxy
+
+from sidecar.server.access_log import RequestRecord, stamp
+
+# RFC 9110's token: a header name.
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+# Control characters other than tab, in a header value or the request target.
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+_LENGTH = re.compile(rb"[0-9]{1,18}")
+# Visible ASCII from a leading slash: an origin-form request target.
+_TARGET = re.compile(rb"/[!-~]*")
+# A request line or header line longer than this is aiohttp's to refuse (its limit).
+MAX_LINE_BYTES = 8190
+# Headers the reader leaves to aiohttp: other framings, and changes of protocol.
+_NOT_LEAN = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+# Framing headers the writer sets itself.
+_FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """A request's head, as `web.Request.rel_url` and `headers` give it."""
+
+    raw_path: str  # percent-encoded, as sent
+    raw_path_qs: str  # with the query, as sent
+    headers: CIMultiDictProxy[str]
+    content_length: int
+    close: bool  # the client asked to close the connection after the answer
+
+
+def parse_head(data: bytes, routes: frozenset[bytes]) -> Head | None:
+    """The head of a POST to one of `routes` (`data` up to the blank line), or None when
+    it is anything else or anything unusual: HTTP/1.0, another method or path, a body
+    not framed by one Content-Length, `Expect`, `Upgrade`, a line too long, obsolete
+    line folding, control characters, a header name that is not a token. Those go to
+    aiohttp, whose parser answers them as it always has."""
+    lines = data.split(b"\r\n")
+    method, _, rest = lines[0].partition(b" ")
+    target, _, version = rest.partition(b" ")
+    if method != b"POST" or version != b"HTTP/1.1" or len(lines[0]) > MAX_LINE_BYTES:
+        return None
+    path = target.partition(b"?")[0]
+    if path not in routes or not _TARGET.fullmatch(target) or b"#" in target:
+        return None
+    headers: CIMultiDict[str] = CIMultiDict()
+    length: int | None = None
+    close = False
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if (not colon or len(line) > MAX_LINE_BYTES or not _TOKEN.fullmatch(name)
+                or _CONTROL.search(value)):
+            return None
+        value = value.strip(b" \t")
+        lowered = name.lower()
+        if lowered == b"content-length":
+            if length is not None or not _LENGTH.fullmatch(value):
+                return None
+            length = int(value)
+        elif lowered in _NOT_LEAN:
+            return None
+        elif lowered == b"connection":
+            options = {option.strip().lower() for option in value.split(b",")}
+            if b"upgrade" in options:
+                return None
+            close = b"close" in options
+        # As aiohttp decodes header values: bytes that are not UTF-8 kept as surrogates.
+        headers.add(name.decode("ascii"), value.decode("utf-8", "surrogateescape"))
+    return Head(path.decode("ascii"), target.decode("ascii"), CIMultiDictProxy(headers),
+                length or 0, close)
+
+
+class Wire(Protocol):
+    """The client connection a lean request came on (server/front.py)."""
+
+    transport: asyncio.Transport | None
+    keep_alive: bool
+
+    def send(self, data: bytes) -> None:
+        """Write to the client; raises `aiohttp.ClientConnectionResetError` once the
+        connection is closing."""
+
+    async def drain(self) -> None:
+        """Wait while the client reads slower than the answer is written."""
+
+
+class _Date:
+    """The Date header's value, formatted once a second."""
+
+    def __init__(self) -> None:
+        self._second = -1
+        self._value = ""
+
+    def now(self) -> str:
+        second = int(time.time())
+        if second != self._second:
+            self._second, self._value = second, formatdate(second, usegmt=True)
+        return self._value
+
+
+_date = _Date()
+
+
+def encode_head(status: int, reason: str | None, headers: Iterable[tuple[str, str]], *,
+                length: int | None, close: bool) -> bytes:
+    """A response's status line and headers, framed by `length` (None: chunked), with a
+    Date unless the headers have one. Header names and values with CR or LF are refused
+    (ValueError), as aiohttp refuses them."""
+    lines = [f"HTTP/1.1 {status} {reason or ''}"]
+    dated = False
+    for name, value in headers:
+        lowered = name.lower()
+        if lowered in _FRAMING:
+            continue
+        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
+            raise ValueError(f"a CR or LF in the response header {name!r}")
+        dated = dated or lowered == "date"
+        lines.append(f"{name}: {value}")
+    if not dated:
+        lines.append(f"Date: {_date.now()}")
+    lines.append("Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}")
+    if close:
+        lines.append("Connection: close")
+    lines.append("\r\n")
+    return "\r\n".join(lines).encode("utf-8", "surrogateescape")
+
+
+def encode_answer(response: web.Response, entry: RequestRecord, *, close: bool) -> bytes:
+    """A whole answer (kvgate's own, or the server's when it came with its head), stamped
+    with the request's id as aiohttp's `on_prepare` stamps it."""
+    stamp(entry, response)
+    body = response.body
+    if not isinstance(body, bytes):
+        raise TypeError(f"a lean answer's body must be bytes, not {type(body).__name__}")
+    return encode_head(response.status, response.reason, response.headers.items(),
+                       length=len(body), close=close) + body
+
+
+class LeanRequest:
+    """The attributes of `web.Request` the proxy reads, for a request read by the lean
+    front end; its access-log record comes with it."""
+
+    __slots__ = ("_body", "app", "headers", "method", "path", "record", "rel_url", "wire")
+
+    def __init__(self, app: web.Application, wire: Wire, head: Head, body: bytes,
+                 record: RequestRecord) -> None:
+        self.app = app
+        self.wire = wire
+        self.method = "POST"
+        self.path = head.raw_path  # a route's path: nothing in it to decode
+        self.rel_url = head
+        self.headers = head.headers
+        self.record = record
+        self._body = body
+
+    @property
+    def transport(self) -> asyncio.Transport | None:
+        return self.wire.transport
+
+    async def read(self) -> bytes:
+        return self._body
+
+    def start_stream(self, status: int, reason: str | None, headers: list[tuple[str, str]],
+                     length: int | None) -> LeanStream:
+        return LeanStream(self.wire, self.record, status, reason, headers, length)
+
+
+class LeanStream(web.StreamResponse):
+    """A streamed answer on a lean connection: the head is written when it is made,
+    each `write` goes out as it comes (one chunk each, chunked encoding when there is
+    no length), `write_eof` ends it."""
+
+    def __init__(self, wire: Wire, entry: RequestRecord, status: int, reason: str | None,
+                 headers: list[tuple[str, str]], length: int | None) -> None:
+        super().__init__(status=status, reason=reason, headers=headers)
+        self._wire = wire
+        self._chunked = length is None
+        self._ended = False
+        stamp(entry, self)
+        wire.send(encode_head(status, reason, self.headers.items(), length=length,
+                              close=not wire.keep_alive))
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        if self._ended:
+            raise RuntimeError("the answer has ended")
+        if not data:
+            return
+        data = bytes(data)
+        self._wire.send(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        await self._wire.drain()
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        if self._ended:
+            return
+        if data:
+            await self.write(data)
+        self._ended = True
+        if self._chunked:
+            self._wire.send(b"0\r\n\r\n")
+
+    def force_close(self) -> None:
+        super().force_close()
+        self._wire.keep_alive = False
+
+
+def client_gone() -> aiohttp.ClientConnectionResetError:
+    """What writing to a client that went away raises (as aiohttp's writer does)."""
+    return aiohttp.ClientConnectionResetError("Cannot write to closing transport")
