@@ -82,6 +82,29 @@ async def test_streaming_through_kvgate_yields_the_same_tokens(
 async def test_client_disconnect_mid_stream_aborts_upstream_and_releases(
     small_kv_vllm: VllmServer, sidecar: Sidecar
 ) -> None:
+    await disconnect_mid_stream(small_kv_vllm, sidecar)
+
+
+async def test_the_aiohttp_front_end_streams_and_releases_as_the_lean_one(
+    small_kv_vllm: VllmServer,
+) -> None:
+    """`--front-end aiohttp` (every request read by aiohttp): the same tokens, the
+    request's id on the answer, and a client that goes away releases its reservation.
+    (Every other end-to-end test runs behind the default lean front end.)"""
+    with Sidecar(small_kv_vllm.url, "--front-end", "aiohttp") as gated:
+        async with aiohttp.ClientSession() as session:
+            direct = await stream_completion(session, small_kv_vllm.url, 24, seed=11)
+            through = await stream_completion(session, gated.url, 24, seed=11)
+            async with session.post(gated.url + "/v1/completions", headers={
+                    "X-Request-Id": "front-end-check"}, json={
+                    "model": "tiny-llama", "prompt": "hello", "max_tokens": 2}) as response:
+                assert response.status == 200
+                assert response.headers["X-Request-Id"] == "front-end-check"
+        assert direct["text"] and direct["text"] == through["text"]
+        await disconnect_mid_stream(small_kv_vllm, gated)
+
+
+async def disconnect_mid_stream(small_kv_vllm: VllmServer, sidecar: Sidecar) -> None:
     async with aiohttp.ClientSession() as session:
         body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 800, "stream": True,
                 "ignore_eos": True}

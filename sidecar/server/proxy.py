@@ -5,8 +5,9 @@ counted (the model's tokenizer, checked against the server's /tokenize; or the
 documented fallback), admitted or rejected by the controller, and then sent upstream
 on the forwarding pool (upstream/http1.py) and streamed back chunk by chunk.
 The KV reservation is released in `finally`, whatever happens: success, upstream
-failure, or the client going away (aiohttp cancels the handler, which closes the
-upstream connection so vLLM aborts the request).
+failure, or the client going away (the front end, kvgate's lean one or aiohttp,
+cancels the handler, which closes the upstream connection so vLLM aborts the request).
+The same handlers serve requests read by either front end (server/front.py).
 """
 
 from __future__ import annotations
