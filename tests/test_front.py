@@ -112,6 +112,8 @@ class Echo:
             except asyncio.CancelledError:
                 self.cancelled += 1
                 raise
+        if body == b"empty":
+            return web.Response(status=204 if request.headers.get("x-a") else 499)
         if body == b"stream" and isinstance(request, LeanRequest):
             stream = request.start_stream(200, "OK", [("Content-Type", "text/event-stream")],
                                           None)
@@ -156,6 +158,8 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]
     status = int(head[0].split(" ")[1])
     headers = {name.lower(): value for name, _, value in
                (line.partition(": ") for line in head[1:] if line)}
+    if status in (204, 304):
+        return status, headers, b""
     if "content-length" in headers:
         return status, headers, await reader.readexactly(int(headers["content-length"]))
     assert headers.get("transfer-encoding") == "chunked", headers
@@ -208,6 +212,18 @@ async def unusual_requests_get_aiohttps_answers(door: FrontDoor, echo: Echo) -> 
             assert json.loads(body) == {"lean": False, "target": "/v1/completions",
                                         "body": "hello", "tenant": None}
         writer.close()
+
+
+async def answers_without_a_body(door: FrontDoor, echo: Echo) -> None:
+    """An answer without a body (the proxy's 499 for a client that went away) is
+    written with an empty one, not refused."""
+    reader, writer = await connect(door)
+    for header, status, length in ((b"X-A: 1", 204, None), (b"X-B: 1", 499, "0")):
+        writer.write(post(b"empty", header))
+        answer = await read_answer(reader)
+        assert (answer[0], answer[1].get("content-length"), answer[2]) == (status, length, b"")
+        assert "transfer-encoding" not in answer[1]
+    writer.close()
 
 
 async def streams_close_and_cancel(door: FrontDoor, echo: Echo) -> None:
@@ -264,6 +280,7 @@ async def stop_cancels_what_still_runs(door: FrontDoor, echo: Echo) -> None:
 SCENARIOS: dict[str, tuple[Callable[[FrontDoor, Echo], Awaitable[None]], dict[str, Any]]] = {
     "keep-alive and hand-off": (keep_alive_and_hand_off, {}),
     "unusual requests": (unusual_requests_get_aiohttps_answers, {}),
+    "answers without a body": (answers_without_a_body, {}),
     "streams, close and cancel": (streams_close_and_cancel, {}),
     "idle connections": (idle_connections_close, {"idle_timeout_s": 0.3}),
     "stop": (stop_cancels_what_still_runs, {}),

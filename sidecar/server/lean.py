@@ -35,6 +35,8 @@ _TARGET = re.compile(rb"/[!-~]*")
 MAX_LINE_BYTES = 8190
 # Headers the reader leaves to aiohttp: other framings, and changes of protocol.
 _NOT_LEAN = frozenset({b"transfer-encoding", b"expect", b"upgrade"})
+# Answers that never have a body, nor a header framing one.
+_NO_BODY = frozenset({204, 304})
 # Framing headers the writer sets itself.
 _FRAMING = frozenset({"content-length", "transfer-encoding", "connection"})
 
@@ -124,9 +126,10 @@ _date = _Date()
 
 def encode_head(status: int, reason: str | None, headers: Iterable[tuple[str, str]], *,
                 length: int | None, close: bool) -> bytes:
-    """A response's status line and headers, framed by `length` (None: chunked), with a
-    Date unless the headers have one. Header names and values with CR or LF are refused
-    (ValueError), as aiohttp refuses them."""
+    """A response's status line and headers, framed by `length` (None: chunked; neither
+    for 204 and 304, which have no body), with a Date unless the headers have one.
+    Header names and values with CR or LF are refused (ValueError), as aiohttp refuses
+    them."""
     lines = [f"HTTP/1.1 {status} {reason or ''}"]
     dated = False
     for name, value in headers:
@@ -139,7 +142,9 @@ def encode_head(status: int, reason: str | None, headers: Iterable[tuple[str, st
         lines.append(f"{name}: {value}")
     if not dated:
         lines.append(f"Date: {_date.now()}")
-    lines.append("Transfer-Encoding: chunked" if length is None else f"Content-Length: {length}")
+    if status not in _NO_BODY:
+        lines.append("Transfer-Encoding: chunked" if length is None
+                     else f"Content-Length: {length}")
     if close:
         lines.append("Connection: close")
     lines.append("\r\n")
@@ -151,7 +156,9 @@ def encode_answer(response: web.Response, entry: RequestRecord, *, close: bool) 
     with the request's id as aiohttp's `on_prepare` stamps it."""
     stamp(entry, response)
     body = response.body
-    if not isinstance(body, bytes):
+    if body is None:
+        body = b""  # e.g. the 499 the proxy returns for a client that went away
+    elif not isinstance(body, bytes):
         raise TypeError(f"a lean answer's body must be bytes, not {type(body).__name__}")
     return encode_head(response.status, response.reason, response.headers.items(),
                        length=len(body), close=close) + body
@@ -195,7 +202,7 @@ class LeanStream(web.StreamResponse):
                  headers: list[tuple[str, str]], length: int | None) -> None:
         super().__init__(status=status, reason=reason, headers=headers)
         self._wire = wire
-        self._chunked = length is None
+        self._chunked = length is None and status not in _NO_BODY
         self._ended = False
         stamp(entry, self)
         wire.send(encode_head(status, reason, self.headers.items(), length=length,
