@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from sidecar import __version__
 from sidecar.model import ModelArchitecture, read_architecture
 from sidecar.server import access_log, admin, proxy
-from sidecar.server.front import FrontDoor
+from sidecar.server.front import FrontConnection, FrontDoor
 from sidecar.server.keys import SERVICES, SESSION
 from sidecar.server.requests import ROUTES
 from sidecar.server.services import Services, resolve_gpu
@@ -147,6 +147,9 @@ async def serve(settings: ServeSettings, *, stop: asyncio.Event | None = None) -
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                            shutdown_timeout=1.0, keepalive_timeout=IDLE_TIMEOUT_S)
     runners.append(runner)
+    lean_connections: set[FrontConnection] = set()
+    if settings.front_end == "lean":
+        app[admin.FRONT_CONNECTIONS] = lean_connections  # (the app is frozen once set up)
     await runner.setup()
     front: FrontDoor | None = None
     sites: list[web.BaseSite] = []
@@ -154,8 +157,8 @@ async def serve(settings: ServeSettings, *, stop: asyncio.Event | None = None) -
         assert runner.server is not None
         front = FrontDoor(app, proxy.generation, runner.server, access=app[access_log.ACCESS_LOG],
                           routes=frozenset(ROUTES), max_body_bytes=settings.max_body_bytes,
-                          idle_timeout_s=IDLE_TIMEOUT_S, drain_cut=proxy.DRAIN_CUT)
-        app[admin.FRONT_CONNECTIONS] = front.connections
+                          idle_timeout_s=IDLE_TIMEOUT_S, drain_cut=proxy.DRAIN_CUT,
+                          connections=lean_connections)
     else:
         sites.append(web.TCPSite(runner, settings.host, settings.port, backlog=4096))
     admin_runner: web.AppRunner | None = None
@@ -163,7 +166,7 @@ async def serve(settings: ServeSettings, *, stop: asyncio.Event | None = None) -
         admin_app = build_admin_app(services, registry)
         admin_app[admin.RUNNERS] = runners
         if front is not None:
-            admin_app[admin.FRONT_CONNECTIONS] = front.connections
+            admin_app[admin.FRONT_CONNECTIONS] = lean_connections
         admin_runner = web.AppRunner(admin_app, access_log=None,
                                      keepalive_timeout=IDLE_TIMEOUT_S)
         runners.append(admin_runner)

@@ -51,7 +51,8 @@ class FrontDoor:
 
     def __init__(self, app: web.Application, handler: Handler, fallback: web.Server, *,
                  access: access_log.AccessLog, routes: frozenset[str], max_body_bytes: int,
-                 idle_timeout_s: float, drain_cut: str) -> None:
+                 idle_timeout_s: float, drain_cut: str,
+                 connections: set[FrontConnection] | None = None) -> None:
         self.app = app
         self.handler = handler
         self.fallback = fallback
@@ -60,7 +61,8 @@ class FrontDoor:
         self.max_body_bytes = max_body_bytes
         self.idle_timeout_s = idle_timeout_s
         self.drain_cut = drain_cut
-        self.connections: set[FrontConnection] = set()
+        # The open connections still read here (a set the caller may hold on to).
+        self.connections: set[FrontConnection] = set() if connections is None else connections
         self._server: asyncio.Server | None = None
 
     def __call__(self) -> FrontConnection:
@@ -204,7 +206,6 @@ class FrontConnection(asyncio.Protocol):
             log.exception("request %s failed inside kvgate", entry.id)
             response = web.Response(status=500, text="500 Internal Server Error")
             self.keep_alive = False
-        self.task = None
         try:
             if isinstance(response, LeanStream):
                 # Ended here when the proxy left it open (as aiohttp ends a returned
@@ -219,7 +220,8 @@ class FrontConnection(asyncio.Protocol):
             if not isinstance(exc, ConnectionError):
                 log.error("request %s: its answer could not be written: %s", entry.id, exc)
             self.keep_alive = False
-        if not self.keep_alive:
+        self.task = None
+        if not self.keep_alive or self.transport is None:
             self.close()
             return
         self._arm_idle()
