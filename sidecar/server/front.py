@@ -232,7 +232,8 @@ class FrontConnection(asyncio.Protocol):
             self._next()
 
     def _hand_off(self) -> None:
-        """From here on the connection is aiohttp's, with the bytes read so far."""
+        """From here on the connection is aiohttp's, with the bytes read so far (between
+        requests, so reading is not paused)."""
         transport = self.transport
         assert transport is not None
         self._disarm_idle()
@@ -245,8 +246,6 @@ class FrontConnection(asyncio.Protocol):
         handler.connection_made(transport)
         if data:
             handler.data_received(data)
-        if self._reading_paused:
-            transport.resume_reading()
 
     # ---- idle and paused -------------------------------------------------------------------
 
