@@ -13,7 +13,7 @@ import pytest
 
 from support.concurrency import RunningSampler
 from support.load import PROMPT, burst, stream_completion
-from support.sidecar import Sidecar, metric_value
+from support.sidecar import Sidecar, generated_on, metric_value
 from support.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm]
@@ -109,10 +109,7 @@ async def disconnect_mid_stream(small_kv_vllm: VllmServer, sidecar: Sidecar) -> 
     than the 800 tokens asked for are ever made) and kvgate releases its reservation.
     The client leaves at once; checking anything first could race the ~2 s the whole
     answer takes on a fast machine."""
-    def generated() -> float:
-        return metric_value(small_kv_vllm.metrics_text(), "vllm:generation_tokens_total")
-
-    before = generated()
+    before = generated_on(small_kv_vllm)
     async with aiohttp.ClientSession() as session:
         body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": 800, "stream": True,
                 "ignore_eos": True}
@@ -129,7 +126,7 @@ async def disconnect_mid_stream(small_kv_vllm: VllmServer, sidecar: Sidecar) -> 
             break
         await asyncio.sleep(0.1)
     assert running == 0 and reserved == 0
-    assert 3 <= generated() - before < 800  # aborted mid-answer (5 lines: 3 events)
+    assert 3 <= generated_on(small_kv_vllm) - before < 800  # aborted mid-answer (5 lines: 3 events)
 
 
 async def test_never_fits_is_400_before_the_server_sees_it(

@@ -169,3 +169,10 @@ def released(sidecar: Sidecar) -> bool:
 def running_on(server: Any) -> float:
     """vLLM's own count of running requests (a `VllmServer`)."""
     return metric_value(server.metrics_text(), "vllm:num_requests_running")
+
+
+def generated_on(server: Any) -> float:
+    """The tokens vLLM has generated so far, over all requests (a `VllmServer`). A
+    request aborted mid-answer adds fewer than its max_tokens; vLLM counts an aborted
+    request in no `vllm:request_success_total` reason."""
+    return metric_value(server.metrics_text(), "vllm:generation_tokens_total")
