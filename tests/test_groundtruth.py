@@ -102,17 +102,17 @@ def _out_of_fold() -> tuple[Prediction, ...]:
 
 
 # Out-of-fold median |error| bounds per concurrency band (issue 15's targets). Under
-# load the targets are 35% (TTFT) and 20% (TPOT); the model reaches 51% and 45% on 36
-# rows: Qwen's 20 (40% / 21%) and, from a second source, gpt-oss's 16 bursts of 100
-# to 1,000 prompts on H100 and A100 (62% / 57%), whose long prefills under load it
-# prices too cheap (its compute efficiency comes from TensorRT-LLM's one-request rows).
-# No fold learns vLLM's costs under load from another family. The bounds are what it
-# reaches, with a small margin, until it does.
+# load the targets are 35% (TTFT) and 20% (TPOT); the model reaches 49% and 44% on 48
+# rows: Qwen's 32 (42% / 30%; its Qwen3 bursts on the A100 within a few percent, on an
+# H100 at about half) and gpt-oss's 16 bursts of 100 to 1,000 prompts on H100 and A100
+# (57% / 53%), whose long prefills under load it prices too cheap (its compute
+# efficiency comes from TensorRT-LLM's one-request rows). The bounds are what it
+# reaches, with a small margin (the cross-validation is deterministic), until it does.
 OUT_OF_FOLD_BOUNDS = {
     (BANDS[0], "ttft"): 0.25,
     (BANDS[0], "tpot"): 0.15,
-    (BANDS[1], "ttft"): 0.53,
-    (BANDS[1], "tpot"): 0.47,
+    (BANDS[1], "ttft"): 0.50,
+    (BANDS[1], "tpot"): 0.46,
 }
 
 
@@ -120,7 +120,7 @@ OUT_OF_FOLD_BOUNDS = {
 @pytest.mark.parametrize(("band", "quantity"), list(OUT_OF_FOLD_BOUNDS))
 def test_out_of_fold_median_error_within_bounds(band: str, quantity: str) -> None:
     rows, median, _ = median_ape(_out_of_fold(), band=band, quantity=quantity)
-    assert rows >= (80 if band == BANDS[0] else 15)
+    assert rows >= (80 if band == BANDS[0] else 45)
     assert median <= OUT_OF_FOLD_BOUNDS[(band, quantity)], f"{band} {quantity}: {median:.1%}"
 
 
