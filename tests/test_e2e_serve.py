@@ -73,6 +73,10 @@ async def test_streaming_through_kvgate_yields_the_same_tokens(
     small_kv_vllm: VllmServer, sidecar: Sidecar
 ) -> None:
     async with aiohttp.ClientSession() as session:
+        # The prompt cached first: both answers then come from the same cached prefix
+        # (a prefill of the whole prompt and one of its tail can differ in the last bit,
+        # enough to flip a token of the random tiny model).
+        await stream_completion(session, small_kv_vllm.url, 1)
         direct = await stream_completion(session, small_kv_vllm.url, 40, seed=7)
         gated = await stream_completion(session, sidecar.url, 40, seed=7)
     assert direct["status"] == gated["status"] == 200
@@ -93,6 +97,7 @@ async def test_the_aiohttp_front_end_streams_and_releases_as_the_lean_one(
     (Every other end-to-end test runs behind the default lean front end.)"""
     with Sidecar(small_kv_vllm.url, "--front-end", "aiohttp") as gated:
         async with aiohttp.ClientSession() as session:
+            await stream_completion(session, small_kv_vllm.url, 1)  # cached, as above
             direct = await stream_completion(session, small_kv_vllm.url, 24, seed=11)
             through = await stream_completion(session, gated.url, 24, seed=11)
             async with session.post(gated.url + "/v1/completions", headers={

@@ -83,10 +83,11 @@ async def test_upstream_slow_to_answer_gets_504_after_the_read_timeout(
 async def test_upstream_slow_to_stream_within_the_read_timeout_is_fine(
     proxy: FaultProxy, gated: Sidecar
 ) -> None:
-    # Gaps shorter than --read-timeout-s: slow, but a stream like any other.
+    # Gaps shorter than --read-timeout-s: slow, but a stream like any other. Two tokens
+    # and the end: three gaps.
     proxy.set_faults(Fault(path="/v1/completions", chunk_delay_s=READ_TIMEOUT_S * 0.7))
     async with aiohttp.ClientSession() as session:
-        result = await post_stream(session, gated.url + "/v1/completions", completion(12))
+        result = await post_stream(session, gated.url + "/v1/completions", completion(2))
     assert result.status == 200 and result.done and result.error is None, result
     assert result.elapsed_s > READ_TIMEOUT_S  # longer than the timeout, in all
     settled(gated)

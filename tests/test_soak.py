@@ -227,6 +227,11 @@ async def settle(sidecar: Sidecar, server: VllmServer) -> dict[str, Any]:
                 60, "vLLM idle")
     await until(lambda: sidecar.state()["process"]["active_requests"] == 0, 30,
                 "no request handler left")
+    # The background checks of prompts against the server's /tokenize end too (a
+    # "tokenize slow" fault holds one for seconds); a scrape is short, so a moment with
+    # no request to the server comes soon.
+    await until(lambda: sidecar.state()["process"]["upstream_connections"]["active"] == 0,
+                30, "no request to the server left")
     await asyncio.sleep(2)  # let closed connections and finished tasks go
     gc.collect()
     return sidecar.state()

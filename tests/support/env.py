@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import socket
 import sys
@@ -34,11 +35,35 @@ def model_dir(name: str) -> Path:
     return path
 
 
+_GIVEN: set[int] = set()
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port nothing listens on, for a server started later. Chosen below the kernel's
+    ephemeral range when there is room: a port from that range can become the local
+    end of one of the suite's own connections before the server (vLLM: ~20 s later)
+    binds it. Never the same port twice in one session."""
+    low = min(_ephemeral_low(), 32768)
+    for _ in range(500):
+        port = random.randint(20000, low - 1) if low > 21000 else 0
+        if port in _GIVEN:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            chosen: int = sock.getsockname()[1]
+        _GIVEN.add(chosen)
+        return chosen
+    raise RuntimeError("no free port found on 127.0.0.1")
 
 
 def tool(name: str) -> str:

@@ -15,7 +15,8 @@ a probability:
 
 - `delay_s`: wait before forwarding (the server is slow to answer); if kvgate
   gives up meanwhile, nothing is forwarded (`Seen.abandoned`);
-- `chunk_delay_s`: wait before passing on each chunk (the server is slow to stream);
+- `chunk_delay_s`: wait before passing on each line of the body that is not blank
+  (the server is slow to stream: one gap per server-sent event);
 - `status`: answer this status without forwarding (e.g. `/metrics` failing);
 - `hang`: never answer (until kvgate closes the connection);
 - `stall_after_bytes`: forward that many bytes of the response body, then stop
@@ -71,7 +72,7 @@ class Fault:
     hang: bool = False
     stall_after_bytes: int | None = None
     cut_after_bytes: int | None = None
-    chunk_delay_s: float = 0.0  # a slow stream: wait this long before each chunk
+    chunk_delay_s: float = 0.0  # a slow stream: wait this long before each event
     times: int | None = None  # uses left; None: unlimited
     probability: float = 1.0
     name: str = ""
@@ -323,8 +324,12 @@ class FaultProxy:
             if fault is not None:
                 limit = fault.stall_after_bytes if fault.stall_after_bytes is not None \
                     else fault.cut_after_bytes
-            async for chunk in upstream.content.iter_any():
-                if fault is not None and fault.chunk_delay_s:
+            # A slow stream is slow per event (each line but the blank ones that end the
+            # events): vLLM's events may reach the proxy merged into one chunk.
+            chunks = (upstream.content if fault is not None and fault.chunk_delay_s
+                      else upstream.content.iter_any())
+            async for chunk in chunks:
+                if fault is not None and fault.chunk_delay_s and chunk.strip():
                     await asyncio.sleep(fault.chunk_delay_s)
                 if limit is not None and seen.bytes_out + len(chunk) >= limit:
                     head = chunk[: max(0, limit - seen.bytes_out)]
