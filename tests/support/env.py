@@ -36,6 +36,7 @@ def model_dir(name: str) -> Path:
 
 
 _GIVEN: set[int] = set()
+_PICK = random.Random()  # its own generator: a test seeding `random` cannot fix the choice
 
 
 def _ephemeral_low() -> int:
@@ -52,7 +53,7 @@ def free_port() -> int:
     binds it. Never the same port twice in one session."""
     low = min(_ephemeral_low(), 32768)
     for _ in range(500):
-        port = random.randint(20000, low - 1) if low > 21000 else 0
+        port = _PICK.randint(20000, low - 1) if low > 21000 else 0
         if port in _GIVEN:
             continue
         with socket.socket() as sock:
