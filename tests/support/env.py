@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
-import random
 import shutil
-import socket
 import sys
 from pathlib import Path
+
+from bench.common import PORT_RANGE
+from bench.common import free_port as pick_port
 
 CACHE = Path(os.environ.get("KVGATE_CACHE",
                             Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
@@ -35,10 +36,6 @@ def model_dir(name: str) -> Path:
     return path
 
 
-_GIVEN: set[int] = set()
-_PICK = random.Random()  # its own generator: a test seeding `random` cannot fix the choice
-
-
 def _ephemeral_low() -> int:
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
@@ -47,24 +44,12 @@ def _ephemeral_low() -> int:
 
 
 def free_port() -> int:
-    """A port nothing listens on, for a server started later. Chosen below the kernel's
-    ephemeral range when there is room: a port from that range can become the local
-    end of one of the suite's own connections before the server (vLLM: ~20 s later)
-    binds it. Never the same port twice in one session."""
-    low = min(_ephemeral_low(), 32768)
-    for _ in range(500):
-        port = _PICK.randint(20000, low - 1) if low > 21000 else 0
-        if port in _GIVEN:
-            continue
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            chosen: int = sock.getsockname()[1]
-        _GIVEN.add(chosen)
-        return chosen
-    raise RuntimeError("no free port found on 127.0.0.1")
+    """A port nothing listens on, for a server started later: bench.common's picker
+    (never the same port twice in a process, benchmarks included), over the ports below
+    the kernel's ephemeral range. A port from that range can become the local end of one
+    of the suite's own connections before the server (vLLM: ~20 s later) binds it."""
+    low, high = PORT_RANGE
+    return pick_port(low, max(high, min(_ephemeral_low(), 32768) - 1))
 
 
 def tool(name: str) -> str:
