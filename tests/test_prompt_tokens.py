@@ -166,6 +166,18 @@ async def test_what_only_the_server_renders_goes_to_it(tokenizer: LocalTokenizer
     assert checks(prompts, "match") == 0  # nothing local to compare
 
 
+async def test_text_with_an_unpaired_surrogate_goes_to_the_server(
+        tokenizer: LocalTokenizer) -> None:
+    # JSON's "\\ud800" escape parses to a str the tokenizers library refuses to encode.
+    with pytest.raises(CannotRender, match="surrogate"):
+        tokenizer.tokenize({"prompt": "a\ud800b"})
+    engine = TokenizingEngine(tokenizer)
+    prompts = counter(tokenizer)
+    odd = parse_generation("/v1/completions", {"prompt": "a\ud800b"})
+    assert await prompts.count(odd, engine) == (100, tuple(range(100)))
+    assert engine.calls == 1 and counted(prompts, "server") == 1
+
+
 async def test_without_tokenizer_files_the_server_counts(tokenizer: LocalTokenizer) -> None:
     engine = TokenizingEngine(tokenizer)
     prompts = counter(None)

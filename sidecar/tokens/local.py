@@ -142,7 +142,15 @@ class LocalTokenizer:
         return template
 
     def encode(self, text: str, *, add_special_tokens: bool) -> tuple[int, ...]:
-        return self.reuse.encode(text, add_special_tokens)
+        """The text's token ids; `CannotRender` for text that is not Unicode (an unpaired
+        surrogate, which JSON's "\\ud800" escape gives and `tokenizers` refuses): only
+        the server can say what it makes of that."""
+        try:
+            return self.reuse.encode(text, add_special_tokens)
+        except TypeError as exc:
+            if _unicode(text):
+                raise
+            raise CannotRender("the text has an unpaired surrogate") from exc
 
     def _encode_whole(self, text: str, add_special_tokens: bool) -> tuple[int, ...]:
         # The same ids without the character offsets kvgate never reads (~30% less CPU
@@ -184,3 +192,11 @@ class LocalTokenizer:
             template_kwargs=kwargs)
         return self.encode(text, add_special_tokens=bool(
             payload.get("add_special_tokens", False)))
+
+
+def _unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
