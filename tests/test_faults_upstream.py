@@ -59,7 +59,7 @@ async def test_upstream_slow_to_answer_gets_504_after_the_read_timeout(
     proxy: FaultProxy, gated: Sidecar
 ) -> None:
     proxy.set_faults(Fault(path="/v1/completions", delay_s=8.0))
-    started = time.time()
+    started = time.monotonic()
     async with aiohttp.ClientSession() as session:
         for stream in (False, True):
             result = await post_stream(session, gated.url + "/v1/completions",

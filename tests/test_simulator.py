@@ -339,14 +339,23 @@ def test_plan_simulate_starts_its_clients_apart_as_the_planner_does() -> None:
     assert closed["tpot_s"]["p50"] > 1.2 * lockstep["tpot_s"]["p50"]
 
 
-def test_ten_thousand_requests_run_quickly() -> None:
+def test_ten_thousand_requests_cost_ten_times_a_thousand() -> None:
+    """The simulator's cost grows with the requests, not faster: 10,000 requests take
+    about 10x the CPU of 1,000 at the same load (the control, measured in the same run,
+    so a busy machine slows both). Its speed (10,000 requests in 2 s or less on one
+    core) is measured by bench/simulator_speed.py, not here."""
     import time
 
     model = served(blocks=4096)
-    started = time.process_time()
-    result = simulate(model, OpenLoop(200.0, 10_000, Lengths(256, 64, 0.5), seed=1))
-    assert result.summary()["completed"] == 10_000
-    assert time.process_time() - started < 6  # 2 s on a quiet core (bench/simulator_speed.py)
+
+    def cpu_s(requests: int) -> float:
+        started = time.process_time()
+        result = simulate(model, OpenLoop(200.0, requests, Lengths(256, 64, 0.5), seed=1))
+        assert result.summary()["completed"] == requests
+        return time.process_time() - started
+
+    control = min(cpu_s(1_000) for _ in range(2))
+    assert cpu_s(10_000) < 20 * control
 
 
 @pytest.mark.parametrize(("line", "message"), [

@@ -101,7 +101,7 @@ class Seen:
     path: str
     headers: dict[str, str]
     body: bytes
-    at: float
+    at: float  # time.monotonic() when it arrived
     fault: str | None = None
     forwarded: bool = False  # sent on to vLLM
     abandoned: bool = False  # kvgate went away before the proxy forwarded it
@@ -256,6 +256,7 @@ class FaultProxy:
 
     def requests(self, path: str = "", method: str | None = None,
                  since: float = 0.0) -> list[Seen]:
+        """What reached the proxy on `path` (a prefix), from `since` (time.monotonic())."""
         with self._lock:
             items = list(self.seen)
         return [s for s in items if s.path.startswith(path) and s.at >= since
@@ -276,7 +277,7 @@ class FaultProxy:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         seen = Seen(request.method, request.path, dict(request.headers),
-                    body[:BODY_KEPT_BYTES], time.time())
+                    body[:BODY_KEPT_BYTES], time.monotonic())
         with self._lock:
             self.seen.append(seen)
         fault = self._pick(request.method, request.path)

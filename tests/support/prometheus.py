@@ -115,6 +115,9 @@ class PrometheusServer:
         self.startup_timeout = startup_timeout
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._proc: subprocess.Popen[bytes] | None = None
+        # How the last server exited: 0 when SIGTERM stopped it cleanly, -9 when it
+        # had to be killed.
+        self.exit_code: int | None = None
         self._log_path: Path | None = None
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -185,6 +188,8 @@ class PrometheusServer:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        if proc is not None:
+            self.exit_code = proc.returncode
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
