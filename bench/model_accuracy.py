@@ -371,6 +371,8 @@ def latency_rows(base: Efficiency = DEFAULT_EFFICIENCY,
         note = f"prefix-cached {case.cached_tokens}" if case.cached_tokens else ""
         for kind, predicted, measured in zip(kinds, (ttft, tpot), (case.ttft_ms, case.tpot_ms),
                                              strict=True):
+            if kind.endswith("tpot") and not case.tpot_priced:
+                continue
             rows.append(Row(kind, case.ref, case.model, case.choice.note,
                             _latency_setup(case), predicted * 1e3, measured, "ms", note,
                             engine=case.engine))
@@ -509,9 +511,10 @@ def _fit_objective(cases: Sequence[LatencyCase]) -> Callable[[dict[str, float]],
         for case in cases:
             assert case.ttft_ms is not None and case.tpot_ms is not None
             ttft, tpot = predict_steady(case, engine_efficiency(case.engine, base, overheads))
-            errors.setdefault(case.engine, []).extend(
-                [abs(math.log(ttft * 1e3 / case.ttft_ms)),
-                 abs(math.log(tpot * 1e3 / case.tpot_ms))])
+            engine = errors.setdefault(case.engine, [])
+            engine.append(abs(math.log(ttft * 1e3 / case.ttft_ms)))
+            if case.tpot_priced:
+                engine.append(abs(math.log(tpot * 1e3 / case.tpot_ms)))
         return statistics.fmean(statistics.median(values) for values in errors.values())
 
     return objective

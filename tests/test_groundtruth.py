@@ -15,13 +15,22 @@ groundtruth.py).
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import cache
 
 import pytest
 
 from sidecar.model.units import GIB
 
-from bench.model_cv import BANDS, FAMILIES, Prediction, cross_validate, median_ape, model_family
+from bench.model_cv import (
+    BANDS,
+    FAMILIES,
+    NEUTRAL_START,
+    Prediction,
+    cross_validate,
+    median_ape,
+    model_family,
+)
 from support.groundtruth import (
     KV_EXACT_EXCEPTIONS,
     KvCase,
@@ -102,17 +111,15 @@ def _out_of_fold() -> tuple[Prediction, ...]:
 
 
 # Out-of-fold median |error| bounds per concurrency band (issue 15's targets). Under
-# load the targets are 35% (TTFT) and 20% (TPOT); the model reaches 49% and 44% on 48
-# rows: Qwen's 32 (42% / 30%; its Qwen3 bursts on the A100 within a few percent, on an
-# H100 at about half) and gpt-oss's 16 bursts of 100 to 1,000 prompts on H100 and A100
-# (57% / 53%), whose long prefills under load it prices too cheap (its compute
-# efficiency comes from TensorRT-LLM's one-request rows). The bounds are what it
-# reaches, with a small margin (the cross-validation is deterministic), until it does.
+# load the targets are 35% (TTFT) and 20% (TPOT); the model reaches 35.4% and 30.7% on
+# 48 rows of 100 to 1,000 prompts sent at once, most of whose long prefills it still
+# prices too cheap on an H100. The bounds are what it reaches, with a small margin (the
+# cross-validation is deterministic), until it does.
 OUT_OF_FOLD_BOUNDS = {
     (BANDS[0], "ttft"): 0.25,
     (BANDS[0], "tpot"): 0.15,
-    (BANDS[1], "ttft"): 0.50,
-    (BANDS[1], "tpot"): 0.46,
+    (BANDS[1], "ttft"): 0.37,
+    (BANDS[1], "tpot"): 0.32,
 }
 
 
@@ -128,10 +135,42 @@ def test_out_of_fold_median_error_within_bounds(band: str, quantity: str) -> Non
 def test_every_row_is_predicted_out_of_fold_and_finite() -> None:
     predictions = _out_of_fold()
     steady = [p for p in predictions if p.band == BANDS[0]]
-    assert len(steady) == 2 * len(steady_cases())
+    # TTFT and TPOT of every steady row, but the TPOT of a server without CUDA graphs.
+    assert len(steady) == sum(1 + case.tpot_priced for case in steady_cases())
     assert all(math.isfinite(p.ape) for p in predictions)
     # A fold never sees its own family: each row's family is the fold's.
     assert {p.family for p in predictions} >= {"llama-2", "mistral", "mixtral", "qwen"}
+
+
+@pytest.mark.slow
+def test_an_engine_keeps_the_prior_flops_share_without_three_timed_prefills() -> None:
+    # vLLM's public rows time one prefill (the others' prompt was cached by the
+    # benchmark's warm-up): its share of peak FLOP/s is never fitted on it, in any fold;
+    # TensorRT-LLM's 78 rows fit their own.
+    timed = [c for c in steady_cases() if c.engine == "vllm" and c.prefill_measured]
+    assert len(timed) < 3
+    folds = cross_validate()[1]
+    assert all(values["vllm.compute"] == NEUTRAL_START["vllm.compute"]
+               for values in folds.values())
+    assert any(values["tensorrt-llm.compute"] != NEUTRAL_START["tensorrt-llm.compute"]
+               for values in folds.values())
+
+
+def test_a_prefill_timed_one_request_at_a_time_among_several_prompts() -> None:
+    # vLLM's benchmark sends its first prompt once before measuring: of 30 random
+    # prompts measured one at a time, that one finds its prefix cached, the other 29
+    # are prefilled whole. The TTFT compared is the mean over the 30.
+    (case,) = [c for c in steady_cases() if c.model == "Qwen/Qwen3-14B-AWQ"]
+    assert (case.kind, case.num_prompts, case.engine) == ("steady", 30, "vllm")
+    assert case.prefill_measured and case.cached_tokens == 16000 // 16 * 16 - 16
+    assert case.dtype == "int4" and case.enforce_eager and not case.tpot_priced
+    assert case.served().deployment.enforce_eager
+    warmed = predict_steady(replace(case, num_prompts=1))[0]
+    ttft = predict_steady(case)[0]
+    whole = (30 * ttft - warmed) / 29  # each of the other 29
+    assert warmed < 0.05 * whole  # a cached prompt's tail against 16,000 tokens
+    # The committed constants, fitted without this row, predict it within 5%.
+    assert ttft == pytest.approx(case.ttft_ms / 1e3, rel=0.05)
 
 
 def test_a_model_outside_the_families_is_a_family_of_its_own() -> None:

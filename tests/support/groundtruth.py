@@ -65,6 +65,8 @@ EQUIVALENT_CONFIG: dict[str, tuple[str, str]] = {
         "instruct fine-tune of Llama-3.1-405B, with the FP8 checkpoint's quantization_config"),
     "deepseek-ai/DeepSeek-Coder-V2-Lite-Instruct": (
         "deepseek-ai/DeepSeek-V2-Lite", "coder fine-tune of DeepSeek-V2-Lite"),
+    "Qwen/Qwen3-14B-AWQ": (
+        "Qwen/Qwen3-14B", "AWQ 4-bit weights of Qwen3-14B (the row's quantization column)"),
 }
 
 # The quantization_config of checkpoints whose own config.json is not in the data:
@@ -502,7 +504,7 @@ def token_interval(case: KvCase) -> TokenInterval:
 # How a row's dtype/quantization columns map onto `--dtype` for a config without that
 # quantization (a config that carries it, e.g. gpt-oss's mxfp4, keeps "auto").
 _DTYPES = (("fp8", "fp8"), ("fp16", "float16"), ("float16", "float16"),
-           ("bfloat16", "bfloat16"))
+           ("bfloat16", "bfloat16"), ("awq", "int4"))
 
 
 def _dtype(dtype_cell: str, quantization_cell: str, arch: ModelArchitecture | None) -> str:
@@ -533,6 +535,7 @@ class LatencyCase:
     num_prompts: int
     utilization: float | None
     max_model_len: int | None
+    enforce_eager: bool  # the server ran with --enforce-eager (no CUDA graphs)
     available_kv_gib: float | None  # per GPU, where the notes quote the start-up log
     ttft_ms: float | None  # mean
     tpot_ms: float | None  # mean
@@ -549,6 +552,20 @@ class LatencyCase:
         return self.skip is None
 
     @property
+    def prefill_measured(self) -> bool:
+        """Whether the row's TTFT measures a prefill: not when its only prompt was
+        the benchmark's warm-up one, found cached."""
+        return not self.cached_tokens or self.num_prompts > 1
+
+    @property
+    def tpot_priced(self) -> bool:
+        """Whether the model prices what the row's TPOT measured: not under
+        --enforce-eager, whose kernel launches in every decode step (no CUDA graphs) it
+        has no term for. Such a row's TTFT, a long prefill, barely feels them and
+        counts; its TPOT is neither fitted nor scored."""
+        return not self.enforce_eager
+
+    @property
     def prefix_warmed(self) -> bool:
         """vLLM's benchmark_serving.py first sends the first prompt once as a test run,
         and V1 keeps prefix caching on by default: that prompt's measured prefill
@@ -560,7 +577,9 @@ class LatencyCase:
 
     @property
     def cached_tokens(self) -> int:
-        """Prompt tokens the measured prefill finds in the prefix cache."""
+        """Prompt tokens the warmed prompt's measured prefill finds in the prefix cache
+        (one of the `num_prompts` measured one at a time: the first, which the warm-up
+        sent; random prompts leave the others nothing to find)."""
         if not (self.prefix_warmed and self.kind == "steady"):
             return 0
         return (self.input_len - 1) // BLOCK_SIZE * BLOCK_SIZE
@@ -580,6 +599,7 @@ class LatencyCase:
             else int(self.available_kv_gib * GIB),
             vllm_version=_accounting_version(
                 _version(self.engine_version) if self.engine == "vllm" else None),
+            enforce_eager=self.enforce_eager,
         )
         return ServedModel(self.arch, deployment, over_network(gpu) if self.gpu.cross_node else gpu)
 
@@ -594,7 +614,12 @@ def _engine(cell: str) -> str | None:
 
 
 def _load(cell: str, batch_cell: str) -> tuple[str, int] | None:
-    """("steady" | "burst", number of prompts) from the concurrency/batch columns."""
+    """("steady" | "burst", number of prompts) from the concurrency/batch columns:
+    `num_prompts=N` sent at once (one alone is steady), or `max_concurrency=1 (N
+    prompts ...)` sent one at a time."""
+    if re.search(r"max_concurrency=1\b", cell):
+        prompts = re.search(r"(\d+) prompts", cell)
+        return "steady", int(prompts.group(1)) if prompts else 1
     found = re.search(r"num_prompts=(\d+)", cell)
     if found:
         prompts = int(found.group(1))
@@ -637,6 +662,7 @@ def _latency_case(line: int, row: dict[str, str]) -> LatencyCase:
         num_prompts=prompts,
         utilization=_utilization("", notes),
         max_model_len=None if max_len is None else int(max_len),
+        enforce_eager="--enforce-eager" in notes,
         available_kv_gib=_note_float(notes, r"KV ([\d.]+) GiB"),
         ttft_ms=number(row["mean_ttft_ms"]),
         tpot_ms=number(row["mean_tpot_ms"]),
@@ -661,7 +687,8 @@ def predict_steady(case: LatencyCase, efficiency: Efficiency | None = None) -> t
     """TTFT and TPOT (s) of one request alone, as `kvgate plan --concurrency 1` gives
     them (`steady_latency`), with the engine's own fixed costs; a prompt that the
     benchmark's warm-up already sent finds its prefix cached (`served.ttft` with the
-    cached tokens, the path `kvgate plan --chain` takes)."""
+    cached tokens, the path `kvgate plan --chain` takes), and the TTFT is the mean over
+    the row's prompts: that one and the others' whole prefills."""
     served = case.served().with_efficiency(
         efficiency or DEFAULT_EFFICIENCY.for_engine(case.engine))
     estimate = steady_latency(served, case.input_len, case.output_len, 1)
@@ -670,6 +697,7 @@ def predict_steady(case: LatencyCase, efficiency: Efficiency | None = None) -> t
     if case.cached_tokens:
         prefill = served.ttft(case.input_len - case.cached_tokens, (), case.cached_tokens)
         assert prefill is not None
-        ttft = prefill.seconds
+        # The mean over the prompts: the warmed one, and the others' whole prefills.
+        ttft = (prefill.seconds + (case.num_prompts - 1) * ttft) / case.num_prompts
     return ttft, estimate.tpot_s
 
