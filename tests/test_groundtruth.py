@@ -111,7 +111,7 @@ def _out_of_fold() -> tuple[Prediction, ...]:
 
 
 # Out-of-fold median |error| bounds per concurrency band (issue 15's targets). Under
-# load the targets are 35% (TTFT) and 20% (TPOT); the model reaches 35.4% and 30.7% on
+# load the targets are 35% (TTFT) and 20% (TPOT); the model reaches 35.3% and 30.7% on
 # 48 rows of 100 to 1,000 prompts sent at once, most of whose long prefills it still
 # prices too cheap on an H100. The bounds are what it reaches, with a small margin (the
 # cross-validation is deterministic), until it does.
