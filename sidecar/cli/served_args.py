@@ -116,7 +116,9 @@ def add_served_model_args(parser: Parser) -> None:
                       "--no-enable-prefix-caching): nothing is shared or found cached")
     vllm.add_argument("--enforce-eager", action="store_true",
                       help="the server runs without CUDA graphs (vLLM's --enforce-eager): "
-                      "no graph pool comes out of the KV budget")
+                      "no graph pool comes out of the KV budget; the kernel launches it "
+                      "adds to every decode step are not priced, so TPOT reads low (half "
+                      "of the one public row's: docs/model.md#accuracy)")
     vllm.add_argument("--vllm-version", type=vllm_version, default=VLLM_VERSION, metavar="X.Y",
                       help="the server's vLLM version, for its memory accounting: from 0.21 "
                       "vLLM takes its CUDA graphs out of the KV budget (default: "
