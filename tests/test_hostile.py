@@ -76,7 +76,7 @@ BAD_HEADERS = [
 async def test_bad_steering_headers_are_400_and_never_forwarded(
     proxy: FaultProxy, gated: Sidecar
 ) -> None:
-    started = time.time()
+    started = time.monotonic()
     async with aiohttp.ClientSession() as session:
         for name, value in BAD_HEADERS:
             async with session.post(gated.url + "/v1/completions", json=completion(4),
@@ -103,7 +103,7 @@ async def test_bad_steering_headers_are_400_and_never_forwarded(
 def test_header_injection_with_raw_bytes_is_refused(proxy: FaultProxy, gated: Sidecar) -> None:
     """CR, LF and NUL inside a header value, obs-folding, bytes that are not text:
     the HTTP parser refuses them with 400 before any handler runs."""
-    started = time.time()
+    started = time.monotonic()
     body = json.dumps(completion(4)).encode()
     for header in (b"x-kvgate-tenant: alice\rX-Injected: 1", b"x-kvgate-tenant: alice\nX-I: 1",
                    b"x-kvgate-priority: high\r\n low", b"x-kvgate-tenant: a\x00b",
@@ -250,7 +250,7 @@ SMUGGLING = {
 @pytest.mark.vllm
 @pytest.mark.parametrize("name", list(SMUGGLING))
 def test_request_smuggling_is_refused(name: str, proxy: FaultProxy, gated: Sidecar) -> None:
-    started = time.time()
+    started = time.monotonic()
     answer = raw_exchange(gated.port, SMUGGLING[name])
     assert status_line(answer).split()[1:2] == ["400"], (name, answer[:300])
     answers = re.findall(rb"(?:^|\r\n)HTTP/1\.[01] \d{3} ", answer)
@@ -267,7 +267,7 @@ def test_request_smuggling_is_refused(name: str, proxy: FaultProxy, gated: Sidec
 @pytest.mark.vllm
 def test_request_targets_cannot_reach_another_host(proxy: FaultProxy, gated: Sidecar) -> None:
     """Absolute-form and scheme-relative targets are paths on the one upstream."""
-    started = time.time()
+    started = time.monotonic()
     for target in (b"http://evil.example/v1/models", b"//evil.example/v1/models"):
         answer = raw_exchange(gated.port, b"GET " + target + b" HTTP/1.1\r\nHost: "
                               b"evil.example\r\nX-Test: target\r\nConnection: close\r\n\r\n")

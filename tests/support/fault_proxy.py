@@ -257,6 +257,9 @@ class FaultProxy:
     def requests(self, path: str = "", method: str | None = None,
                  since: float = 0.0) -> list[Seen]:
         """What reached the proxy on `path` (a prefix), from `since` (time.monotonic())."""
+        if since > time.monotonic():
+            # A wall-clock time (time.time()) would silently match nothing.
+            raise ValueError(f"since={since} is later than now: pass time.monotonic()")
         with self._lock:
             items = list(self.seen)
         return [s for s in items if s.path.startswith(path) and s.at >= since

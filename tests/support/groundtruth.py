@@ -615,11 +615,13 @@ def _engine(cell: str) -> str | None:
 
 def _load(cell: str, batch_cell: str) -> tuple[str, int] | None:
     """("steady" | "burst", number of prompts) from the concurrency/batch columns:
-    `num_prompts=N` sent at once (one alone is steady), or `max_concurrency=1 (N
-    prompts ...)` sent one at a time."""
+    `num_prompts=N` sent at once (one alone is steady), or `max_concurrency=1` with
+    `N prompts` (or `num_prompts=N`) sent one at a time; None when it is not clear."""
     if re.search(r"max_concurrency=1\b", cell):
-        prompts = re.search(r"(\d+) prompts", cell)
-        return "steady", int(prompts.group(1)) if prompts else 1
+        prompts = re.search(r"(\d+) prompts|num_prompts=(\d+)", cell)
+        if prompts is None:
+            return None  # the mean over how many prompts, one of them cached, is unknown
+        return "steady", int(prompts.group(1) or prompts.group(2))
     found = re.search(r"num_prompts=(\d+)", cell)
     if found:
         prompts = int(found.group(1))
