@@ -369,6 +369,10 @@ def latency_rows(base: Efficiency = DEFAULT_EFFICIENCY,
         else:
             continue
         note = f"prefix-cached {case.cached_tokens}" if case.cached_tokens else ""
+        if case.cached_tokens and case.num_prompts > 1:
+            note += f" (1 of {case.num_prompts} prompts)"
+        if not case.tpot_priced:
+            note += "; TPOT not priced (--enforce-eager)"
         for kind, predicted, measured in zip(kinds, (ttft, tpot), (case.ttft_ms, case.tpot_ms),
                                              strict=True):
             if kind.endswith("tpot") and not case.tpot_priced:

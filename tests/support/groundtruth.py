@@ -664,7 +664,7 @@ def _latency_case(line: int, row: dict[str, str]) -> LatencyCase:
         num_prompts=prompts,
         utilization=_utilization("", notes),
         max_model_len=None if max_len is None else int(max_len),
-        enforce_eager="--enforce-eager" in notes,
+        enforce_eager=re.search(r"vllm serve [^;]*--enforce-eager", notes) is not None,
         available_kv_gib=_note_float(notes, r"KV ([\d.]+) GiB"),
         ttft_ms=number(row["mean_ttft_ms"]),
         tpot_ms=number(row["mean_tpot_ms"]),
