@@ -93,8 +93,9 @@ class ServerShape:
             "--max-num-seqs", str(self.max_num_seqs),
             "--max-num-batched-tokens", str(self.max_num_batched_tokens),
             # vLLM's CPU build schedules without asynchronous scheduling
-            # (vllm/platforms/cpu.py): the simulator follows the server it is held against.
-            "--no-async-scheduling"])
+            # (vllm/platforms/cpu.py), and its API server runs on the cores the steps
+            # run on: the simulator follows the server it is held against.
+            "--cpu-build"])
         served = served_model_from_args(args)
         return served if efficiency is None else served.with_efficiency(efficiency)
 

@@ -104,6 +104,30 @@ def test_decodes_share_the_budget_with_a_chunked_prefill() -> None:
     assert result.steps == 50
 
 
+def test_a_host_that_shares_the_device_lengthens_the_step_a_request_starts_in() -> None:
+    """vLLM's CPU build (`host_shares_device`): the API server's work per request runs
+    on the engine's cores. Alone, a request's times are the same as with the work as a
+    latency beside the steps; a request starting while another decodes lengthens that
+    step for both."""
+    model = served()
+    alone = run(model, [SimRequest(0.0, 300, 20)])
+    shared = run(model, [SimRequest(0.0, 300, 20)], host_shares_device=True)
+    per_request = model.efficiency.per_request_s
+    assert per_request > 0
+    for quantity in ("ttft_s", "e2e_s", "tpot_s"):
+        assert getattr(shared.records[0], quantity) == pytest.approx(
+            getattr(alone.records[0], quantity), rel=1e-12)
+    # B arrives while A decodes: the step B starts in is A's step too, longer by B's work
+    pair = [SimRequest(0.0, 300, 40), SimRequest(0.05, 300, 5)]
+    beside = run(model, pair, kv_samples=1000)
+    on_device = run(model, pair, host_shares_device=True, kv_samples=1000)
+    a_beside, a_device = beside.records[0], on_device.records[0]
+    assert a_beside.tpot_s is not None and a_device.tpot_s is not None
+    # (B starts a token later in A's decode: the step prices differ in the 5th digit)
+    assert a_device.tpot_s * 39 == pytest.approx(a_beside.tpot_s * 39 + per_request,
+                                                 rel=1e-3)
+
+
 def test_max_num_seqs_caps_the_batch() -> None:
     model = served(seqs=2)
     result = run(model, [SimRequest(0.0, 100, 30) for _ in range(4)])
@@ -475,7 +499,17 @@ def test_simulate_follows_a_server_without_asynchronous_scheduling(tmp_path: Pat
     # (test_simulator_vllm_scheduler.py, full-attention-queue)
     assert (runs[True]["vllm"]["steps"], runs[False]["vllm"]["steps"]) == (20, 27)
     code, out, _ = _cli([*base[:-1], "--no-async-scheduling"])
-    assert "no asynchronous scheduling" in out
+    assert "no asynchronous scheduling" in out and "CPU build" not in out
+    # --cpu-build: the same scheduling, and the API server's work on the engine's cores
+    code, out, _ = _cli([*base, "--cpu-build"])
+    assert code == 0
+    cpu = json.loads(out)
+    assert cpu["settings"]["async_scheduling"] is False
+    assert cpu["settings"]["host_shares_device"] is True
+    assert runs[True]["settings"]["host_shares_device"] is False
+    assert cpu["vllm"]["steps"] == runs[True]["vllm"]["steps"]
+    code, out, _ = _cli([*base[:-1], "--cpu-build"])
+    assert "no asynchronous scheduling, the API server on the engine's cores (CPU build)" in out
 
 
 def test_simulate_help_explains_the_command() -> None:

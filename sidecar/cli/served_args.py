@@ -127,6 +127,12 @@ def add_served_model_args(parser: Parser) -> None:
                       help="the server schedules each step after the last one's output "
                       "(vLLM's --no-async-scheduling; its CPU build always does): finished "
                       "requests free their blocks a step sooner. Used by the simulator")
+    vllm.add_argument("--cpu-build", action="store_true",
+                      help="the server is vLLM's CPU build: no asynchronous scheduling, "
+                      "and its API server's work per request (tokenizing, the HTTP "
+                      "exchange) runs on the cores that compute the steps, so each new "
+                      "request lengthens the step it starts in for every request in it. "
+                      "Used by the simulator")
 
 
 def gpu_from_args(args: argparse.Namespace) -> Gpu | None:
@@ -175,7 +181,8 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         data_parallel_size=args.data_parallel_size,
         attention_backend=args.attention_backend,
         speculative_method=args.speculative_method,
-        async_scheduling=not args.no_async_scheduling,
+        async_scheduling=not (args.no_async_scheduling or args.cpu_build),
+        host_shares_device=args.cpu_build,
         enforce_eager=args.enforce_eager,
         vllm_version=args.vllm_version,
     )

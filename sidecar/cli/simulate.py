@@ -119,6 +119,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
             "policy": config.policy,
             "prefix_caching": config.prefix_caching,
             "async_scheduling": config.async_scheduling,
+            "host_shares_device": config.host_shares_device,
             "kv_target_ratio": args.kv_target_ratio,
         },
         "trace": {
@@ -150,7 +151,9 @@ def format_report(result: dict[str, Any]) -> str:
             f"--max-num-seqs {settings['max_num_seqs']}, --max-num-batched-tokens "
             f"{settings['max_num_batched_tokens']:,}, {settings['policy']}, prefix cache "
             f"{'on' if settings['prefix_caching'] else 'off'}"
-            + ("" if settings["async_scheduling"] else ", no asynchronous scheduling"))
+            + ("" if settings["async_scheduling"] else ", no asynchronous scheduling")
+            + (", the API server on the engine's cores (CPU build)"
+               if settings["host_shares_device"] else ""))
     lead = (f"Trace {trace['path']}: {trace['requests']:,} requests over "
             f"{trace['duration_s']:,.1f} s, {trace['mean_prompt_tokens']:,.0f} prompt + "
             f"{trace['mean_output_tokens']:,.0f} output tokens on average")

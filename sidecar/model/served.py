@@ -74,6 +74,9 @@ class Deployment:
     attention_backend: str | None = None  # None: vLLM's choice for the GPU
     speculative_method: str | None = None  # None: a drafter without KV layers (n-gram)
     async_scheduling: bool = True  # vLLM's default on GPUs; off in its CPU build
+    # vLLM's CPU build: the API server's work per request (`per_request_s`) runs on the
+    # cores that compute the engine's steps, and lengthens the step it falls in.
+    host_shares_device: bool = False
     enforce_eager: bool = False  # no CUDA graphs
     vllm_version: tuple[int, int] = VLLM_VERSION  # whose memory accounting to follow
 

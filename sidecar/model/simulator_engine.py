@@ -77,6 +77,9 @@ class EngineConfig:
     policy: Policy = "fcfs"
     prefix_caching: bool = True
     async_scheduling: bool = True  # vLLM's default on GPUs; its CPU build turns it off
+    # The API server's work per request is device time (vLLM's CPU build: one set of
+    # cores for both), not a latency beside the steps (a GPU's host).
+    host_shares_device: bool = False
     price_bits: int = 6  # significant bits of memoised step prices (0: exact)
     kv_samples: int = 400  # most (time, blocks) points kept
 
@@ -98,7 +101,8 @@ class EngineConfig:
         return EngineConfig(served.max_num_seqs, served.max_num_batched_tokens,
                             capacity.usable_blocks, policy, prefix_caching,
                             served.deployment.async_scheduling if async_scheduling is None
-                            else async_scheduling, price_bits)
+                            else async_scheduling,
+                            served.deployment.host_shares_device, price_bits)
 
 
 @dataclass(frozen=True)
@@ -222,7 +226,15 @@ class Engine:
                           and shareable == len(self.layout.groups))
         self.prefix_block = block or 1
         self.prefix_units = shareable
-        self.per_request_s = served.efficiency.per_request_s
+        # The API server's work per request (`Efficiency.per_request_s`): beside the
+        # steps on a GPU (a latency added to the first token and to the end), or, where
+        # the host shares the device (vLLM's CPU build), device time the step a request
+        # is first scheduled in takes longer by (`host_due_s`), for every request in it.
+        per_request_s = served.efficiency.per_request_s
+        self.host_shares_device = config.host_shares_device
+        self.per_request_s = 0.0 if config.host_shares_device else per_request_s
+        self.host_per_request_s = per_request_s if config.host_shares_device else 0.0
+        self.host_due_s = 0.0
         self.usable = config.usable_blocks
         self.budget = config.max_num_batched_tokens
         # vLLM's admission check counts a recycling group (a sliding window) up to its
@@ -442,7 +454,8 @@ class Engine:
         prefill_context = sum(start for _, _, start in chunks)
         mean_context = (self.ctx0 + self.n_dec * tick) // self.n_dec if self.n_dec else 0
         seconds = self._price(prefill_tokens, prefill_context, len(chunks), n_dec,
-                              mean_context)
+                              mean_context) + self.host_due_s
+        self.host_due_s = 0.0
         self.now += seconds
         self.busy += seconds
         self.kv_area += self.held * seconds
@@ -743,6 +756,7 @@ class Engine:
             rec = req.rec
             if rec.preemptions == 0:
                 rec.cached_tokens = hit
+                self.host_due_s += self.host_per_request_s
             else:
                 rec.recomputed_tokens += req.num_tokens - hit
             req.running = True
