@@ -4,6 +4,7 @@ roofline's own step prices, and `kvgate simulate`."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -119,13 +120,51 @@ def test_a_host_that_shares_the_device_lengthens_the_step_a_request_starts_in() 
             getattr(alone.records[0], quantity), rel=1e-12)
     # B arrives while A decodes: the step B starts in is A's step too, longer by B's work
     pair = [SimRequest(0.0, 300, 40), SimRequest(0.05, 300, 5)]
-    beside = run(model, pair, kv_samples=1000)
-    on_device = run(model, pair, host_shares_device=True, kv_samples=1000)
+    beside = run(model, pair)
+    on_device = run(model, pair, host_shares_device=True)
     a_beside, a_device = beside.records[0], on_device.records[0]
     assert a_beside.tpot_s is not None and a_device.tpot_s is not None
-    # (B starts a token later in A's decode: the step prices differ in the 5th digit)
+    # (A's first step is longer on the device, so B joins A's decode at another token:
+    # the step prices differ in the 5th digit, far below the 24 ms of B's work)
     assert a_device.tpot_s * 39 == pytest.approx(a_beside.tpot_s * 39 + per_request,
                                                  rel=1e-3)
+
+
+def test_the_host_work_falls_in_the_step_a_request_starts_in_once_per_request() -> None:
+    """All arrivals at 0, so the schedule does not depend on time: the device time is
+    the steps' alone plus each request's work once, in the step its first chunk runs in
+    (not again after a preemption, nor when it leaves kvgate's queue)."""
+    per_request = served().efficiency.per_request_s
+    # One sequence at a time: B starts after A ends; every step from B's first is later
+    # by both requests' work, A's steps by A's only.
+    model = served(seqs=1)
+    pair = [SimRequest(0.0, 200, 5), SimRequest(0.0, 200, 5)]
+    beside = run(model, pair, kv_samples=1000)
+    on_device = run(model, pair, host_shares_device=True, kv_samples=1000)
+    shifts = [d - b for (d, _), (b, _) in zip(on_device.kv_samples, beside.kv_samples,
+                                              strict=True)]
+    b_device = on_device.records[1]
+    assert b_device.first_token_s is not None
+    b_first = next(k for k, (when, _) in enumerate(on_device.kv_samples)
+                   if when == pytest.approx(b_device.first_token_s, rel=1e-12))
+    assert shifts[:b_first] == pytest.approx([per_request] * b_first, rel=1e-9)
+    assert shifts[b_first:] == pytest.approx([2 * per_request] * (len(shifts) - b_first),
+                                             rel=1e-9)
+    a_beside, b_beside = beside.records
+    assert on_device.records[0].ttft_s == pytest.approx(a_beside.ttft_s, rel=1e-12)
+    assert b_beside.ttft_s is not None and b_device.ttft_s is not None
+    assert b_device.ttft_s == pytest.approx(b_beside.ttft_s + per_request, rel=1e-9)
+    # A cache too small: requests are preempted and come back; each is charged once.
+    small = served(blocks=20)
+    three = [SimRequest(0.0, 100, 150) for _ in range(3)]
+    for gate in (None, KvgateGate(0.95)):
+        config = exact(small)
+        beside = simulate(small, Trace(three), config, gate)
+        on_device = simulate(small, Trace(three), replace(config, host_shares_device=True),
+                             gate)
+        assert gate is not None or sum(r.preemptions for r in on_device.records) >= 2
+        assert on_device.steps == beside.steps
+        assert on_device.busy_s == pytest.approx(beside.busy_s + 3 * per_request, rel=1e-9)
 
 
 def test_max_num_seqs_caps_the_batch() -> None:

@@ -126,7 +126,8 @@ def add_served_model_args(parser: Parser) -> None:
     vllm.add_argument("--no-async-scheduling", dest="no_async_scheduling", action="store_true",
                       help="the server schedules each step after the last one's output "
                       "(vLLM's --no-async-scheduling; its CPU build always does): finished "
-                      "requests free their blocks a step sooner. Used by the simulator")
+                      "requests free their blocks a step sooner (see also --cpu-build). "
+                      "Used by the simulator")
     vllm.add_argument("--cpu-build", action="store_true",
                       help="the server is vLLM's CPU build: no asynchronous scheduling, "
                       "and its API server's work per request (tokenizing, the HTTP "

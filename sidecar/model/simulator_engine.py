@@ -27,6 +27,13 @@ the tokens processed before the step in flight. With `async_scheduling=False` (v
 CPU build turns it off, `vllm/platforms/cpu.py`) each step's output is processed before
 the next is scheduled: finished requests free their blocks first.
 
+A request's fixed cost (`Efficiency.per_request_s`: the API server's HTTP exchange and
+tokenizing) is a latency beside the steps, added to its first token and its end, as on a
+GPU, whose host works while it computes. With `host_shares_device` (vLLM's CPU build,
+whose API server runs on the cores that compute the steps) it is device time instead:
+the step the request's first chunk runs in takes that much longer, for every request in
+it, once per request.
+
 Blocks per request come from the model's layout (`KVLayout.blocks_in_step`: the same
 per-step holding `ServedModel.lifecycle` and the admission ledger use, sliding windows
 freed on the processed tokens with one step in flight). Blocks a request frees stay
@@ -231,7 +238,6 @@ class Engine:
         # the host shares the device (vLLM's CPU build), device time the step a request
         # is first scheduled in takes longer by (`host_due_s`), for every request in it.
         per_request_s = served.efficiency.per_request_s
-        self.host_shares_device = config.host_shares_device
         self.per_request_s = 0.0 if config.host_shares_device else per_request_s
         self.host_per_request_s = per_request_s if config.host_shares_device else 0.0
         self.host_due_s = 0.0

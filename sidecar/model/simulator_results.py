@@ -16,7 +16,9 @@ class RequestRecord:
     """One request's life in the simulation (times in seconds from the run's start).
 
     `first_token_s` and `finish_s` include the engine's fixed per-request cost
-    (`Efficiency.per_request_s`); `cached_tokens` are its first admission's prefix-cache
+    (`Efficiency.per_request_s`: a latency beside the steps, or with
+    `EngineConfig.host_shares_device` device time in the step its first chunk runs in);
+    `cached_tokens` are its first admission's prefix-cache
     hits; `recomputed_tokens` the tokens prefilled again after preemptions."""
 
     request: SimRequest
