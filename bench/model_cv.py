@@ -21,7 +21,12 @@ at a time) of every other family and then predict the held family's rows:
 
 - steady rows (concurrency 1): TTFT and TPOT by `steady_latency`, as `kvgate plan`;
 - burst rows (N prompts sent at once, concurrency > 1): mean TTFT and TPOT from the
-  engine simulator (`sidecar.model.simulator`), as `kvgate plan` now answers.
+  engine simulator (`sidecar.model.simulator`), as `kvgate plan` now answers;
+- closed-loop rows (C clients, each sending its next request when its last one ends, as
+  `vllm bench serve --max-concurrency C` does): the median TTFT, TPOT and inter-token
+  latency that the row gives, from the simulator's closed loop. Their band is that of
+  C; the ITL (the median gap between two tokens, which no other row gives) is reported
+  beside the TPOT, never in its place.
 
 Every figure printed is out of fold: each row is predicted by constants fitted without
 its family. An engine whose rows all belong to the held family keeps the prior for its
@@ -58,6 +63,7 @@ from sidecar.model.latency import (  # noqa: E402
     EngineOverhead,
 )
 from sidecar.model.simulator import EngineConfig, SimRequest, Trace, simulate  # noqa: E402
+from sidecar.model.simulator_workload import ClosedLoop, Lengths  # noqa: E402
 
 from support.groundtruth import LatencyCase, latency_cases, predict_steady  # noqa: E402
 
@@ -105,8 +111,14 @@ def _sources() -> dict[str, str]:
     with (ROOT / "tests" / "data" / "groundtruth" / "latency.csv").open(
             encoding="utf-8", newline="") as handle:
         rows = list(csv.DictReader(handle))
-    return {f"latency.csv:{line}": "/".join(row["source_url"].split("/")[3:5])
+    return {f"latency.csv:{line}": _source_of(row["source_url"])
             for line, row in enumerate(rows, start=1)}
+
+
+def _source_of(url: str) -> str:
+    """A GitHub repository (`owner/name`), or the site that published the figures."""
+    parts = url.split("/")
+    return "/".join(parts[3:5]) if parts[2] == "github.com" else parts[2]
 
 
 def source(case: LatencyCase) -> str:
@@ -117,8 +129,10 @@ GROUPINGS: dict[str, Callable[[LatencyCase], str]] = {"family": family, "source"
 
 
 def usable_cases() -> list[LatencyCase]:
+    """Rows with a config, a GPU and the figures their kind is predicted on: TTFT and
+    TPOT one request at a time or in a burst; at least the TTFT in a closed loop."""
     return [c for c in latency_cases() if c.usable and c.ttft_ms is not None
-            and c.tpot_ms is not None and c.kind in ("steady", "burst")]
+            and (c.tpot_ms is not None or c.kind == "closed")]
 
 
 def efficiency_for(values: dict[str, float], engine: str) -> Efficiency:
@@ -236,6 +250,23 @@ def predict_burst(case: LatencyCase, efficiency: Efficiency) -> tuple[float, flo
     return summary["ttft_s"]["mean"], summary["tpot_s"]["mean"]
 
 
+# Requests per client a closed-loop row is simulated with (its source gives percentiles
+# over a number of prompts it does not state; the median barely depends on it).
+CLOSED_LOOP_REQUESTS_PER_CLIENT = 20
+
+
+def predict_closed(case: LatencyCase, efficiency: Efficiency) -> tuple[float, float, float]:
+    """Median TTFT, TPOT and inter-token latency (s) of `case.num_prompts` clients in a
+    closed loop, all starting at once, as `vllm bench serve --max-concurrency C
+    --request-rate inf` runs them, by the engine simulator."""
+    served = case.served().with_efficiency(efficiency)
+    clients = case.num_prompts
+    workload = ClosedLoop(clients, CLOSED_LOOP_REQUESTS_PER_CLIENT * clients,
+                          Lengths(case.input_len, case.output_len))
+    summary = simulate(served, workload, EngineConfig.of(served)).summary()
+    return summary["ttft_s"]["p50"], summary["tpot_s"]["p50"], summary["itl_s"]["p50"]
+
+
 @dataclass(frozen=True)
 class Prediction:
     ref: str
@@ -243,7 +274,7 @@ class Prediction:
     family: str
     engine: str
     band: str
-    quantity: str  # "ttft" or "tpot"
+    quantity: str  # "ttft", "tpot" or "itl"
     predicted_ms: float
     measured_ms: float
 
@@ -264,17 +295,23 @@ def cross_validate(cases: Sequence[LatencyCase] | None = None, rounds: int = 5,
         values = fit([c for c in cases if group(c) != held], rounds)
         folds[held] = values
         for case in (c for c in cases if group(c) == held):
-            assert case.ttft_ms is not None and case.tpot_ms is not None
             efficiency = efficiency_for(values, case.engine)
+            itl = None
             if case.kind == "steady":
                 ttft, tpot = predict_steady(case, efficiency)
                 band = BANDS[0]
+            elif case.kind == "closed":
+                ttft, tpot, itl = predict_closed(case, efficiency)
+                band = BANDS[0] if case.num_prompts == 1 else BANDS[1]
             else:
                 ttft, tpot = predict_burst(case, efficiency)
                 band = BANDS[1]
             for quantity, predicted, measured in (("ttft", ttft, case.ttft_ms),
-                                                  ("tpot", tpot, case.tpot_ms)):
-                if quantity == "tpot" and not case.tpot_priced:
+                                                  ("tpot", tpot, case.tpot_ms),
+                                                  ("itl", itl, case.itl_ms)):
+                if predicted is None or measured is None:
+                    continue
+                if quantity != "ttft" and not case.tpot_priced:
                     continue
                 out.append(Prediction(case.ref, case.model, family(case), case.engine, band,
                                       quantity, predicted * 1e3, measured))
@@ -298,9 +335,10 @@ def summary(predictions: Sequence[Prediction]) -> list[dict[str, Any]]:
         for band in BANDS:
             where = {"band": band} if engine == "all" else {"band": band, "engine": engine}
             entry: dict[str, Any] = {"engine": engine, "band": band}
-            for quantity in ("ttft", "tpot"):
+            for quantity in ("ttft", "tpot", "itl"):
                 rows, median, p90 = median_ape(predictions, quantity=quantity, **where)
-                entry[quantity] = {"rows": rows, "median_ape": median, "p90_ape": p90}
+                if rows or quantity != "itl":
+                    entry[quantity] = {"rows": rows, "median_ape": median, "p90_ape": p90}
             if entry["ttft"]["rows"]:
                 out.append(entry)
     return out
@@ -323,6 +361,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                       for e in table],
                      ["engine", "band", "rows", "TTFT p50", "TTFT p90", "TPOT p50",
                       "TPOT p90"]))
+        itl = [e for e in table if "itl" in e]
+        if itl:
+            print("Median inter-token latency (closed-loop rows that give it, not in the "
+                  "TPOT column):")
+            print(render([[e["engine"], e["band"], str(e["itl"]["rows"]),
+                           f"{e['itl']['median_ape']:.1%}", f"{e['itl']['p90_ape']:.1%}"]
+                          for e in itl], ["engine", "band", "rows", "ITL p50", "ITL p90"]))
         print(f"\nFitted terms per held-out {by}")
         names = list(NEUTRAL_START)
         print(render([[held, *(f"{values[n]:.3g}" for n in names)]
@@ -336,8 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                                 if args.rounds != 5 else ""))
         run.update({
             "method": "leave one model family out, and leave one source out; fit on the "
-                      "other groups' steady rows from a fixed prior; burst rows predicted "
-                      "by the engine simulator",
+                      "other groups' steady rows from a fixed prior; burst and closed-loop "
+                      "rows predicted by the engine simulator",
             "families": FAMILIES, "prior": NEUTRAL_START, **record,
             "seconds": round(time.perf_counter() - started, 1),
         })

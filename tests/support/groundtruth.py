@@ -136,6 +136,7 @@ _GPU_PATTERNS: tuple[tuple[str, str], ...] = (
     (r"\bA100\b.*\b80 ?GB\b", "A100-80GB"),
     (r"\bL40S\b", "L40S"),
     (r"\bL40\b", "L40"),
+    (r"\bL4\b", "L4"),
     (r"\bA10G\b", "A10G"),
     (r"\bA10\b", "A10"),
     (r"\bRTX 6000 Ada\b", "RTX-6000-Ada"),
@@ -531,16 +532,25 @@ class LatencyCase:
     dtype: str
     input_len: int
     output_len: int
-    kind: str  # "steady" (one request at a time) or "burst" (N sent at once)
-    num_prompts: int
+    # "steady" (one request at a time), "burst" (N sent at once) or "closed" (C clients
+    # in a closed loop)
+    kind: str
+    num_prompts: int  # prompts sent; for a closed loop, its clients
     utilization: float | None
     max_model_len: int | None
     enforce_eager: bool  # the server ran with --enforce-eager (no CUDA graphs)
     available_kv_gib: float | None  # per GPU, where the notes quote the start-up log
-    ttft_ms: float | None  # mean
-    tpot_ms: float | None  # mean
+    ttft_ms: float | None  # the mean; a closed loop's row gives the median
+    tpot_ms: float | None  # as ttft_ms
     notes: str
     skip: str | None = None
+    itl_ms: float | None = None  # the median inter-token latency, where a row gives it
+
+    @property
+    def statistic(self) -> str:
+        """What ttft_ms and tpot_ms are over the row's requests: closed-loop rows give
+        medians (their sources print percentiles), the others means."""
+        return "median" if self.kind == "closed" else "mean"
 
     @property
     def arch(self) -> ModelArchitecture:
@@ -614,9 +624,15 @@ def _engine(cell: str) -> str | None:
 
 
 def _load(cell: str, batch_cell: str) -> tuple[str, int] | None:
-    """("steady" | "burst", number of prompts) from the concurrency/batch columns:
-    `num_prompts=N` sent at once (one alone is steady), or `max_concurrency=1` with
-    `N prompts` (or `num_prompts=N`) sent one at a time; None when it is not clear."""
+    """("steady" | "burst" | "closed", prompts or clients) from the concurrency/batch
+    columns: `num_prompts=N` sent at once (one alone is steady), `max_concurrency=1` with
+    `N prompts` (or `num_prompts=N`) sent one at a time, or `max_concurrency=C (closed
+    loop ...)`: C clients, each sending its next request when its last one ends (rows
+    that give medians, which the number of prompts barely moves); None when it is not
+    clear."""
+    closed = re.search(r"max_concurrency=(\d+) \(closed loop", cell)
+    if closed:
+        return "closed", int(closed.group(1))
     if re.search(r"max_concurrency=1\b", cell):
         prompts = re.search(r"(\d+) prompts|num_prompts=(\d+)", cell)
         if prompts is None:
@@ -666,10 +682,11 @@ def _latency_case(line: int, row: dict[str, str]) -> LatencyCase:
         max_model_len=None if max_len is None else int(max_len),
         enforce_eager=re.search(r"vllm serve [^;]*--enforce-eager", notes) is not None,
         available_kv_gib=_note_float(notes, r"KV ([\d.]+) GiB"),
-        ttft_ms=number(row["mean_ttft_ms"]),
-        tpot_ms=number(row["mean_tpot_ms"]),
+        ttft_ms=number(row["median_ttft_ms" if kind == "closed" else "mean_ttft_ms"]),
+        tpot_ms=number(row["median_tpot_ms" if kind == "closed" else "mean_tpot_ms"]),
         notes=notes,
         skip=skip,
+        itl_ms=_note_float(notes, r"ITL p50 ([\d.]+) ms"),
     )
 
 
