@@ -116,11 +116,13 @@ class SidecarMetrics:
         )
         self.observed_ttft = Histogram(
             "kvgate_observed_ttft_seconds",
-            "Observed time to first token (from admission to the first streamed token).",
+            "Observed time to first token of streamed requests (from arrival at kvgate to "
+            "the first streamed token).",
             buckets=LATENCY_BUCKETS_S, registry=registry,
         )
         self.observed_tpot = Histogram(
-            "kvgate_observed_tpot_seconds", "Observed time per output token after the first.",
+            "kvgate_observed_tpot_seconds",
+            "Observed time per output token after the first, of streamed requests.",
             buckets=TPOT_BUCKETS_S, registry=registry,
         )
         self.prediction_error = Histogram(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import math
 import random
 import statistics
@@ -394,7 +395,8 @@ def test_health_warns_of_a_device_that_is_not_the_one_named() -> None:
     assert checked is not None and checked.compute_efficiency < 0.01
 
 
-def test_calibration_survives_restarts_through_a_file_it_can_lose(tmp_path: Path) -> None:
+def test_calibration_survives_restarts_through_a_file_it_can_lose(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     served = on(CPU)
     path = tmp_path / "calibration.json"
     first = Calibrator(CalibrationStore(str(path)))
@@ -408,7 +410,9 @@ def test_calibration_survives_restarts_through_a_file_it_can_lose(tmp_path: Path
     third = Calibrator(CalibrationStore(str(path)))
     assert third.efficiency(served) == served.efficiency  # relearns from the prior
     path.write_text(json.dumps({**saved, "key": "another|model|tp1"}))
-    assert Calibrator(CalibrationStore(str(path))).efficiency(served) == served.efficiency
+    with caplog.at_level(logging.WARNING):
+        assert Calibrator(CalibrationStore(str(path))).efficiency(served) == served.efficiency
+    assert "it is for another|model|tp1" in caplog.text  # a warning: the file is ignored
     path.write_text(json.dumps({**saved, "efficiency": {"compute": -1}}))
     assert Calibrator(CalibrationStore(str(path))).efficiency(served) == served.efficiency
 

@@ -147,6 +147,10 @@ def test_vllm_args_and_helm_values(capsys: pytest.CaptureFixture[str]) -> None:
         (["--model", "Qwen/Qwen3-8B", "--chain", "10:x"], "--chain entry '10:x'"),
         (["--model", "Qwen/Qwen3-8B", "--gpu-memory-utilization", "2"], "in (0, 1]"),
         (["--gpu", "H100"], "--model"),
+        (["--model", "Qwen/Qwen3-8B", "--shared-prefix-tokens", "3000"],
+         "--shared-prefix-tokens 3,000 is more than --prompt-tokens 1,024"),
+        (["--model", "Qwen/Qwen3-8B", "--max-num-batched-tokens", "64", "--max-num-seqs", "128"],
+         "--max-num-batched-tokens (64) must be at least --max-num-seqs (128)"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
@@ -216,3 +220,103 @@ def test_helm_values_from_plan_render_with_the_chart(
     assert str(plan["recommendation"]["max_num_seqs"]) in args
     env = {e["name"]: e.get("value") for e in containers["kvgate"]["env"]}
     assert env["KVGATE_GPU"] == "L40S" and env["KVGATE_TP"] == "2"
+
+
+def test_a_deployment_that_does_not_fit_exits_1_and_recommends_nothing(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # 70B in bf16 on one L4: the weights alone are six times its memory.
+    args = ["plan", "--model", "meta-llama/Llama-3.1-70B-Instruct", "--gpu", "L4"]
+    assert main([*args, "--json"]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["fits"] is False
+    assert "the weights take 131.42 GiB per GPU" in result["fit_problems"][0]
+    assert result["recommendation"]["max_num_seqs"] is None
+    assert main(args) == 1
+    report = capsys.readouterr().out
+    assert "NO: the weights take" in report and "- (the deployment does not fit)" in report
+    for emit in ("vllm-args", "helm-values"):
+        assert main([*args, "--print", emit]) == 1
+        out = capsys.readouterr()
+        assert out.out == "" and "does not fit, so there is nothing to start" in out.err
+    # The weights fit but one request of --max-model-len does not: vLLM refuses to start.
+    assert main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--max-model-len",
+                 "1000000", "--json"]) == 1
+    out = capsys.readouterr()
+    result = json.loads(out.out)
+    assert result["fits"] is False
+    assert f"needs {1_000_000 // 16:,} KV blocks and the cache holds " \
+        f"{result['num_gpu_blocks'] - 1:,}" in result["fit_problems"][0]
+    assert "beyond the model's max_position_embeddings (40,960)" in out.err
+
+
+def test_without_a_gpu_what_is_not_known_is_null(capsys: pytest.CaptureFixture[str]) -> None:
+    result = plan_json(capsys, "--model", "Qwen/Qwen3-8B", "--tpot-slo-ms", "20")
+    assert result["fits"] is None and result["fit_problems"] == []
+    # Every key of the simulator's path is there, null, off it.
+    for key in ("ttft_p90_s", "tpot_p90_s", "throughput_requests_per_s"):
+        assert key in result and result[key] is None
+    rec = result["recommendation"]
+    assert isinstance(rec, dict)
+    for key in ("ttft_p90_s_at_max", "tpot_p90_s_at_max", "throughput_per_replica_per_s",
+                "targets_met", "per_replica_open_loop", "source"):
+        assert key in rec and rec[key] is None
+    assert main(["plan", "--model", "Qwen/Qwen3-8B"]) == 0
+    report = capsys.readouterr().out
+    assert "- (give --gpu or --available-kv-gib)" in report and "-bound" not in report
+
+
+def test_the_closed_form_says_when_it_misses_a_target() -> None:
+    from sidecar.cli.plan import plan_input
+    from sidecar.model.summary import compute_plan
+
+    def closed_form(tpot_slo_ms: str) -> dict[str, object]:
+        args = build_parser().parse_args(["--model", "Qwen/Qwen3-8B", "--gpu", "L4",
+                                          "--max-model-len", "8192",
+                                          "--tpot-slo-ms", tpot_slo_ms])
+        recommendation: dict[str, object] = compute_plan(plan_input(args))["recommendation"]
+        return recommendation
+
+    # One request's TPOT on an L4 reads 16 GB of weights at 300 GB/s: over 50 ms.
+    missed, met = closed_form("1"), closed_form("500")
+    assert (missed["source"], missed["targets_met"], missed["max_num_seqs"]) == (
+        "closed-form", False, 1)
+    assert (met["source"], met["targets_met"]) == ("closed-form", True)
+
+
+def test_vllm_args_carry_every_setting_the_plan_was_given(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    settings = ["--dtype", "fp8", "--kv-cache-dtype", "fp8", "--max-num-batched-tokens",
+                "4096", "--no-prefix-cache", "--data-parallel-size", "2"]
+    base = ["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", *settings]
+    assert main([*base, "--print", "vllm-args"]) == 0
+    command = capsys.readouterr().out
+    for flag in ("--quantization fp8", "--kv-cache-dtype fp8", "--max-num-batched-tokens 4096",
+                 "--no-enable-prefix-caching", "--data-parallel-size 2"):
+        assert flag in command
+    # The chart runs one engine per pod: the rest go to vllm.extraArgs, one argument each.
+    from support.helm import render
+
+    assert main([*base, "--print", "helm-values"]) == 0
+    out = capsys.readouterr()
+    assert "--data-parallel-size is left out" in out.err
+    values = tmp_path / "values.yaml"
+    values.write_text(out.out)
+    manifests = render(Path(__file__).resolve().parent.parent / "helm" / "kvgate", [values])
+    deployment = next(m for m in manifests if m["kind"] == "Deployment")
+    vllm = next(c for c in deployment["spec"]["template"]["spec"]["containers"]
+                if c["name"] == "vllm")
+    args = vllm["args"]
+    for flag, value in (("--kv-cache-dtype", "fp8"), ("--quantization", "fp8"),
+                        ("--max-num-batched-tokens", "4096"), ("--block-size", "16")):
+        assert args[args.index(flag) + 1] == value
+    assert "--no-enable-prefix-caching" in args and "--data-parallel-size" not in args
+
+
+@pytest.mark.parametrize("command", ["gpus", "presets"])
+def test_listing_commands_explain_themselves(command: str,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: kvgate {command}") and "--" in out
+    assert main([command, "--frobnicate"]) == 2
+    assert "takes no options" in capsys.readouterr().err

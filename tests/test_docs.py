@@ -69,3 +69,16 @@ def test_only_contracts_holds_the_tables_of_names(path: Path) -> None:
         assert not re.match(r"\|\s*`kvgate_\w+", line), f"{path.name} copies a metric row"
         assert not re.match(r"\|\s*`--[\w-]+.*\|\s*`KVGATE_", line), (
             f"{path.name} copies a flag row")
+
+
+def test_contracts_lists_every_serve_flag_with_its_variable() -> None:
+    from sidecar.cli.serve import build_parser
+
+    rows: set[str] = set()
+    for line in (ROOT / "docs" / "contracts.md").read_text(encoding="utf-8").splitlines():
+        cells = re.split(r"(?<!\\)\|", line)  # a cell may hold an escaped \|
+        if len(cells) > 3 and "KVGATE_" in cells[2]:
+            rows |= set(re.findall(r"--[\w-]+", cells[1]))
+    flags = {flag for action in build_parser()._actions for flag in action.option_strings
+             if flag.startswith("--") and flag != "--help"}
+    assert flags - rows == set(), "flags of `kvgate serve` without a row in contracts.md"

@@ -596,7 +596,7 @@ def test_plan_simulate_prints_the_simulated_figures_beside_the_closed_form() -> 
     assert "Simulated (engine simulator, 200 requests each)" in out
     assert "closed loop, 8 clients" in out
     code, out, _ = _cli(["plan", "--model", "Qwen/Qwen3-8B", "--available-kv-gib", "3",
-                         "--simulate", "--json"])
+                         "--max-model-len", "8192", "--simulate", "--json"])
     assert code == 0 and json.loads(out)["simulated"] is None
 
 

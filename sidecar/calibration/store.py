@@ -96,8 +96,8 @@ class CalibrationStore:
             log.warning("ignoring calibration file %s; relearning", exc)
             return None
         if saved.key != key:
-            log.info("calibration file %s is for %s, not %s; relearning", self.path,
-                     saved.key, key)
+            log.warning("ignoring calibration file %s: it is for %s, not %s; relearning",
+                        self.path, saved.key, key)
             return None
         return saved
 

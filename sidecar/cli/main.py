@@ -22,7 +22,30 @@ commands:
 """
 
 
+def _no_options(command: str, summary: str, argv: Sequence[str]) -> int | None:
+    """`kvgate presets` and `kvgate gpus` take no options: --help explains the command,
+    anything else is an error (exit 2). None: go on."""
+    if not argv:
+        return None
+    if argv[0] in ("-h", "--help"):
+        sys.stdout.write(f"usage: kvgate {command}\n\n{summary}\n")
+        return 0
+    sys.stderr.write(f"kvgate {command}: error: unexpected argument {argv[0]!r} "
+                     f"(`kvgate {command}` takes no options)\n")
+    return 2
+
+
+PRESETS_HELP = ("List the model configs bundled with kvgate, one Hugging Face id per line, "
+                "each usable\noffline as --model (kvgate plan, kvgate simulate) or "
+                "--model-config (kvgate serve).")
+GPUS_HELP = ("List the GPU catalogue: memory, bandwidth and dense bf16 / fp8 TFLOP/s per "
+             "GPU, and where\neach figure comes from. A name is usable as `--gpu`.")
+
+
 def _presets(argv: Sequence[str]) -> int:
+    answer = _no_options("presets", PRESETS_HELP, argv)
+    if answer is not None:
+        return answer
     from sidecar.model import presets
 
     for name in presets.names():
@@ -31,6 +54,9 @@ def _presets(argv: Sequence[str]) -> int:
 
 
 def _gpus(argv: Sequence[str]) -> int:
+    answer = _no_options("gpus", GPUS_HELP, argv)
+    if answer is not None:
+        return answer
     from sidecar.cli.table import render
     from sidecar.model import CATALOGUE
 

@@ -45,7 +45,9 @@ examples:
   kvgate plan --model Qwen/Qwen3-8B --gpu A100-80GB --prompt-tokens 2000 \\
       --output-tokens 500 --arrival-rate 4 --tpot-slo-ms 50 --print vllm-args
 
-Exit codes: 0 ok, 2 bad input (the message names what is wrong).
+Exit codes: 0 ok; 1 the deployment does not fit (vLLM would refuse to start: the report
+says why, and --print prints no arguments); 2 bad input (the message names what is
+wrong).
 Known GPUs: """
 
 
@@ -125,7 +127,16 @@ def _note(line: str) -> None:
 
 
 def plan_input(args: argparse.Namespace) -> PlanInput:
+    if args.shared_prefix_tokens > args.prompt_tokens:
+        raise ModelError(
+            f"--shared-prefix-tokens {args.shared_prefix_tokens:,} is more than --prompt-tokens "
+            f"{args.prompt_tokens:,}: the shared prefix is the start of every prompt")
     served = served_model_from_args(args, _note)
+    if served.max_model_len > served.arch.max_position_embeddings:
+        _note(f"--max-model-len {served.max_model_len:,} is beyond the model's "
+              f"max_position_embeddings ({served.arch.max_position_embeddings:,}): vLLM "
+              "refuses it unless the config's rope scaling extends the context or "
+              "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set")
     return PlanInput(
         served=served,
         sequence_tokens=args.sequence_tokens or served.max_model_len,
@@ -191,29 +202,31 @@ def format_report(result: dict[str, Any]) -> str:
         ["KV cache size (vLLM's log)", f"{_count(result['kv_capacity_tokens'])} tokens"],
         [f"max concurrency @ {result['max_model_len']:,} tokens",
          "-" if result["max_concurrency"] is None else f"{result['max_concurrency']:.2f}x"],
-        ["fits", "yes" if result["fits"] else "NO"],
+        ["fits", _fits_cell(result)],
     ]
     simulated = result.get("latency_source") == "simulator"
     closed = result.get("closed_form") or {}
     if simulated:
         latency_rows = [
-            ["TTFT p50 / p90", f"{_ms(result['ttft_s'])} / {_ms(result['ttft_p90_s'])} "
-             f"({result['prefill_bound'] or '-'}-bound)"],
-            ["TPOT p50 / p90", f"{_ms(result['tpot_s'])} / {_ms(result['tpot_p90_s'])} "
-             f"({result['decode_bound'] or '-'}-bound)"],
+            ["TTFT p50 / p90", f"{_ms(result['ttft_s'])} / {_ms(result['ttft_p90_s'])}"
+             f"{_bound(result['prefill_bound'])}"],
+            ["TPOT p50 / p90", f"{_ms(result['tpot_s'])} / {_ms(result['tpot_p90_s'])}"
+             f"{_bound(result['decode_bound'])}"],
             ["E2E mean", _ms(result["e2e_s"])],
             ["closed form (one prefill beside c - 1 decodes)",
              f"TTFT {_ms(closed.get('ttft_s'))}, TPOT {_ms(closed.get('tpot_s'))}"],
         ]
     else:
         latency_rows = [
-            ["TTFT", f"{_ms(result['ttft_s'])} ({result['prefill_bound'] or '-'}-bound)"],
-            ["TPOT", f"{_ms(result['tpot_s'])} ({result['decode_bound'] or '-'}-bound)"],
+            ["TTFT", f"{_ms(result['ttft_s'])}{_bound(result['prefill_bound'])}"],
+            ["TPOT", f"{_ms(result['tpot_s'])}{_bound(result['decode_bound'])}"],
             ["E2E = TTFT + output x TPOT", _ms(result["e2e_s"])],
         ]
     rec = result["recommendation"]
     plan_rows = [
-        ["recommended --max-num-seqs", f"{rec['max_num_seqs']} (limited by {rec['limited_by']})"],
+        ["recommended --max-num-seqs", "- (the deployment does not fit)"
+         if rec["max_num_seqs"] is None
+         else f"{rec['max_num_seqs']} (limited by {rec['limited_by']})"],
     ]
     if rec.get("ttft_p90_s_at_max") is not None:
         plan_rows.append([f"p90 at {rec['max_num_seqs']} clients",
@@ -221,7 +234,9 @@ def format_report(result: dict[str, Any]) -> str:
                           f"TPOT {_ms(rec['tpot_p90_s_at_max'])}, "
                           f"{rec['throughput_per_replica_per_s']:,.2f} req/s per replica"])
     if rec.get("targets_met") is False:
-        plan_rows.append(["targets", "NOT MET, even at the recommendation (see p90 above)"])
+        plan_rows.append(["targets", "NOT MET, even at the recommendation (see p90 above)"
+                          if rec.get("source") == "simulator"
+                          else "NOT MET, even at 1 (closed form)"])
     if rec["concurrency_needed"] is not None:
         plan_rows.append([f"in flight at {rec['arrival_rate']:g} req/s (Little's law)",
                           f"{rec['concurrency_needed']:,.1f}"])
@@ -268,6 +283,18 @@ def format_report(result: dict[str, Any]) -> str:
     return "\n".join(parts)
 
 
+def _fits_cell(result: dict[str, Any]) -> str:
+    if result["fits"] is None:
+        return "- (give --gpu or --available-kv-gib)"
+    if result["fits"]:
+        return "yes"
+    return "NO: " + "; ".join(result["fit_problems"])
+
+
+def _bound(bound: str | None) -> str:
+    return "" if bound is None else f" ({bound}-bound)"
+
+
 def _simulated(inputs: PlanInput) -> dict[str, Any] | None:
     served = inputs.served
     if served.roofline is None or served.capacity is None:
@@ -308,26 +335,72 @@ def _graphs_cell(result: dict[str, Any]) -> str:
             f"{graphs['full']} full)")
 
 
-def vllm_args(result: dict[str, Any], model: str) -> str:
+def served_flags(args: argparse.Namespace) -> list[str]:
+    """The vLLM flags, besides those the recommendation sets, for the server the plan
+    describes: each setting given to `kvgate plan` that changes how vLLM runs."""
+    flags: list[str] = []
+    if args.dtype in ("bfloat16", "float16"):
+        flags.append(f"--dtype {args.dtype}")
+    elif args.dtype == "fp8":
+        flags.append("--quantization fp8")  # vLLM quantizes the weights at load time
+    # int8 / int4 describe a quantized checkpoint, which vLLM reads from its config.
+    if args.kv_cache_dtype != "auto":
+        flags.append(f"--kv-cache-dtype {args.kv_cache_dtype}")
+    if args.max_num_batched_tokens is not None:
+        flags.append(f"--max-num-batched-tokens {args.max_num_batched_tokens}")
+    if args.data_parallel_size > 1:
+        flags.append(f"--data-parallel-size {args.data_parallel_size}")
+    if args.no_prefix_cache:
+        flags.append("--no-enable-prefix-caching")
+    if args.num_gpu_blocks_override is not None:
+        flags.append(f"--num-gpu-blocks-override {args.num_gpu_blocks_override}")
+    if args.attention_backend is not None:
+        flags.append(f"--attention-backend {args.attention_backend}")
+    if args.mamba_cache_mode is not None:
+        flags.append(f"--mamba-cache-mode {args.mamba_cache_mode}")
+    for flag, value in (("--mamba-cache-dtype", args.mamba_cache_dtype),
+                        ("--mamba-ssm-cache-dtype", args.mamba_ssm_cache_dtype)):
+        if value != "auto":
+            flags.append(f"{flag} {value}")
+    if args.num_speculative_tokens:
+        config = {"num_speculative_tokens": args.num_speculative_tokens}
+        if args.speculative_method:
+            config = {"method": args.speculative_method, **config}
+        flags.append(f"--speculative-config '{json.dumps(config)}'")
+    if args.no_async_scheduling:
+        flags.append("--no-async-scheduling")
+    return flags
+
+
+def vllm_args(result: dict[str, Any], args: argparse.Namespace) -> str:
     rec = result["recommendation"]
-    args = [
-        f"--model {model}",
+    flags = [
+        f"--model {args.model}",
         f"--tensor-parallel-size {result['tp']}",
         f"--max-model-len {result['max_model_len']}",
         f"--max-num-seqs {rec['max_num_seqs']}",
         f"--gpu-memory-utilization {rec['gpu_memory_utilization']}",
         f"--block-size {result['block_size']}",
+        *served_flags(args),
     ]
     if not result["cudagraphs"]["piecewise"]:
-        args.append("--enforce-eager")  # the plan's KV budget has no CUDA graph pool
-    return " \\\n  ".join(["vllm serve", *args])
+        flags.append("--enforce-eager")  # the plan's KV budget has no CUDA graph pool
+    return " \\\n  ".join(["vllm serve", *flags])
 
 
-def helm_values(result: dict[str, Any], model: str) -> str:
+def helm_values(result: dict[str, Any], args: argparse.Namespace) -> str:
     """Values for the kvgate Helm chart (helm/kvgate) from the recommendation."""
     rec = result["recommendation"]
+    model = args.model
     served_name = str(result["model"])
     directory = Path(model).name if Path(model).exists() else served_name.rpartition("/")[2]
+    extra = [f"--block-size {result['block_size']}",
+             *(flag for flag in served_flags(args) if not flag.startswith("--data-parallel"))]
+    if not result["cudagraphs"]["piecewise"]:
+        extra.append("--enforce-eager")
+    if args.data_parallel_size > 1:
+        _note("the chart runs one engine per pod (gpu.count is its tensor-parallel size): "
+              "--data-parallel-size is left out; scale with replicaCount instead")
     lines = [
         "# Values for the kvgate chart (helm/kvgate), from `kvgate plan`",
         "model:",
@@ -340,6 +413,9 @@ def helm_values(result: dict[str, Any], model: str) -> str:
         f"  name: {json.dumps(result['gpu'] or '')}",
         f"  count: {result['tp']}",
         f"replicaCount: {rec['replicas'] or 1}",
+        "vllm:",
+        # One flag and its value per list entry: the chart passes each as one argument.
+        "  extraArgs: " + json.dumps([part for flag in extra for part in _split_flag(flag)]),
     ]
     if rec["replicas"]:
         lines += [
@@ -349,6 +425,14 @@ def helm_values(result: dict[str, Any], model: str) -> str:
             f"  maxReplicas: {rec['replicas'] * 2}",
         ]
     return "\n".join(lines)
+
+
+def _split_flag(flag: str) -> list[str]:
+    """`--name value` as ["--name", "value"], the value unquoted."""
+    name, _, value = flag.partition(" ")
+    if not value:
+        return [name]
+    return [name, value[1:-1] if value.startswith("'") and value.endswith("'") else value]
 
 
 def run(argv: Sequence[str], prog: str = "kvgate plan") -> int:
@@ -366,12 +450,16 @@ def run(argv: Sequence[str], prog: str = "kvgate plan") -> int:
         parser.error(str(exc))
     except ValueError as exc:  # e.g. a calibration with out-of-range factors
         parser.error(str(exc))
+    fits = result["fits"] is not False
     if args.json:
         print(json.dumps(result, indent=2))
+    elif args.emit != "report" and not fits:
+        print(f"{prog}: error: the deployment does not fit, so there is nothing to start: "
+              + "; ".join(result["fit_problems"]), file=sys.stderr)
     elif args.emit == "vllm-args":
-        print(vllm_args(result, args.model))
+        print(vllm_args(result, args))
     elif args.emit == "helm-values":
-        print(helm_values(result, args.model))
+        print(helm_values(result, args))
     else:
         print(format_report(result))
-    return 0
+    return 0 if fits else 1

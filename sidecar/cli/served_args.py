@@ -163,6 +163,11 @@ def load_efficiency(path: Path | None) -> Efficiency | None:
 
 
 def deployment_from_args(args: argparse.Namespace) -> Deployment:
+    if (args.max_num_batched_tokens is not None and args.max_num_seqs is not None
+            and args.max_num_batched_tokens < args.max_num_seqs):
+        raise ModelError(
+            f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
+            f"--max-num-seqs ({args.max_num_seqs}), as vLLM requires")
     return Deployment(
         tp=args.tp,
         dtype=args.dtype,

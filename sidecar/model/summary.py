@@ -9,6 +9,7 @@ from typing import Any
 from sidecar.model.errors import ModelError
 from sidecar.model.planning import (
     ChainCall,
+    LatencyEstimate,
     chain,
     kv_concurrency_limit,
     recommend,
@@ -17,6 +18,7 @@ from sidecar.model.planning import (
 )
 from sidecar.model.served import ServedModel
 from sidecar.model.simulator_plan import PlanSimulator
+from sidecar.model.units import GIB
 
 
 @dataclass(frozen=True)
@@ -55,10 +57,10 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
         shared_prefix,
     )
     kv_budget = served.kv_budget_bytes
-    weights_fit = budget is None or (
-        served.weights_bytes < budget.total_bytes * budget.utilization
-    )
-    fits = bool(weights_fit and capacity is not None and capacity.fits_one_request)
+    problems = fit_problems(served)
+    # None: not known (no GPU and no logged budget); False: vLLM would refuse to start.
+    fits = False if problems else (None if capacity is None else True)
+    targets_met = _targets_met(rec.latency_at_max, plan.ttft_slo_s, plan.tpot_slo_s)
     result: dict[str, Any] = {
         "model": arch.name,
         "model_type": arch.model_type,
@@ -103,7 +105,12 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
         "decode_bound": latency.decode_bound if latency else None,
         "efficiency": served.efficiency.as_dict(),
         "fits": fits,
+        "fit_problems": problems,
+        "ttft_p90_s": None,
+        "tpot_p90_s": None,
+        "throughput_requests_per_s": None,
         "recommendation": {
+            "source": None if rec.latency_at_max is None else "closed-form",
             "max_num_seqs": rec.max_num_seqs,
             "limited_by": rec.limited_by,
             "kv_margin": plan.kv_margin,
@@ -113,8 +120,20 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
             "gpu_memory_utilization": served.deployment.gpu_memory_utilization,
             "ttft_s_at_max": rec.latency_at_max.ttft_s if rec.latency_at_max else None,
             "tpot_s_at_max": rec.latency_at_max.tpot_s if rec.latency_at_max else None,
+            "ttft_p90_s_at_max": None,
+            "tpot_p90_s_at_max": None,
+            "throughput_per_replica_per_s": None,
+            "targets_met": targets_met,
+            "per_replica_open_loop": None,
         },
     }
+    if problems:
+        # Nothing to recommend for a server that does not start.
+        result["recommendation"].update({
+            "source": None, "max_num_seqs": None, "limited_by": None,
+            "concurrency_needed": None, "replicas": None, "ttft_s_at_max": None,
+            "tpot_s_at_max": None, "targets_met": None,
+        })
     if plan.chain:
         estimate = chain(served, plan.chain, plan.prefix_cache, plan.concurrency)
         result["chain"] = None if estimate is None else {
@@ -130,6 +149,39 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
     return result
 
 
+
+
+def fit_problems(served: ServedModel) -> list[str]:
+    """Why vLLM would refuse to start this deployment, in words; empty when it starts or
+    when that is not known (no GPU and no logged budget)."""
+    budget = served.memory_budget
+    capacity = served.capacity
+    if budget is not None and served.weights_bytes >= budget.total_bytes * budget.utilization:
+        return [f"the weights take {served.weights_bytes / GIB:,.2f} GiB per GPU, more than "
+                f"--gpu-memory-utilization {budget.utilization:g} of "
+                f"{budget.total_bytes / GIB:,.2f} GiB"]
+    kv_budget = served.kv_budget_bytes
+    if kv_budget is not None and kv_budget <= 0 and served.deployment.num_gpu_blocks_override \
+            is None:
+        return [f"no memory is left for the KV cache ({kv_budget / GIB:,.2f} GiB after weights, "
+                "activations and CUDA graphs)"]
+    if capacity is not None and not capacity.fits_one_request:
+        tokens = capacity.usable_blocks * served.block_size
+        return [f"one request of --max-model-len {served.max_model_len:,} tokens needs "
+                f"{capacity.blocks_per_request:,} KV blocks and the cache holds "
+                f"{capacity.usable_blocks:,} (about {tokens:,} tokens): lower --max-model-len "
+                "or give the KV cache more memory"]
+    return []
+
+
+def _targets_met(latency: LatencyEstimate | None, ttft_slo_s: float | None,
+                 tpot_slo_s: float | None) -> bool | None:
+    """Whether the closed form meets the targets at the recommendation (None without
+    targets or latency)."""
+    if latency is None or (ttft_slo_s is None and tpot_slo_s is None):
+        return None
+    return ((ttft_slo_s is None or latency.ttft_s <= ttft_slo_s)
+            and (tpot_slo_s is None or latency.tpot_s <= tpot_slo_s))
 
 
 def request_blocks(served: ServedModel, prompt_tokens: int, output_tokens: int) -> dict[str, int]:

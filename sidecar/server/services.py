@@ -571,7 +571,8 @@ class Services:
         what was known at admission (prompt counting, queue wait) plus the predicted
         prefill. The calibration fits the part after admission, which the model
         predicts. TPOT is the time per token after the first. The metrics take every
-        request; the calibration (fit and spread) a sample above 50 a second
+        completed streamed request (a non-streamed one has no first-token time); the
+        calibration (fit and spread) a sample above 50 a second
         (`Calibrator.learns_from`).
         """
         self._observe_request_size(ticket.request.prompt_tokens + output_tokens)
