@@ -151,6 +151,10 @@ def test_vllm_args_and_helm_values(capsys: pytest.CaptureFixture[str]) -> None:
          "--shared-prefix-tokens 3,000 is more than --prompt-tokens 1,024"),
         (["--model", "Qwen/Qwen3-8B", "--max-num-batched-tokens", "64", "--max-num-seqs", "128"],
          "--max-num-batched-tokens (64) must be at least --max-num-seqs (128)"),
+        (["--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--max-num-batched-tokens", "128"],
+         "(128) must be at least --max-num-seqs (1024, vLLM's default for the device)"),
+        (["--model", "Qwen/Qwen3-8B", "--kv-cache-dtype", "fp8_ds_mla"],
+         "Qwen/Qwen3-8B has no sparse MLA layers: use fp8"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:
@@ -238,6 +242,9 @@ def test_a_deployment_that_does_not_fit_exits_1_and_recommends_nothing(
         assert main([*args, "--print", emit]) == 1
         out = capsys.readouterr()
         assert out.out == "" and "does not fit, so there is nothing to start" in out.err
+    # Nor does it simulate a server that does not start.
+    assert main([*args, "--simulate", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["simulated"] is None
     # The weights fit but one request of --max-model-len does not: vLLM refuses to start.
     assert main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--max-model-len",
                  "1000000", "--json"]) == 1
@@ -265,6 +272,16 @@ def test_without_a_gpu_what_is_not_known_is_null(capsys: pytest.CaptureFixture[s
     assert "- (give --gpu or --available-kv-gib)" in report and "-bound" not in report
 
 
+def test_a_budget_the_server_logged_says_its_weights_fit(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # A GPU too small for the estimated weights, but the server logged its KV budget: it
+    # started, so the plan does not second-guess the weights.
+    result = plan_json(capsys, "--model", "Qwen/Qwen3-8B", "--gpu", "L4",
+                       "--gpu-memory-gib", "10", "--available-kv-gib", "2",
+                       "--max-model-len", "8192")
+    assert result["fits"] is True and result["fit_problems"] == []
+
+
 def test_the_closed_form_says_when_it_misses_a_target() -> None:
     from sidecar.cli.plan import plan_input
     from sidecar.model.summary import compute_plan
@@ -286,13 +303,20 @@ def test_the_closed_form_says_when_it_misses_a_target() -> None:
 def test_vllm_args_carry_every_setting_the_plan_was_given(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     settings = ["--dtype", "fp8", "--kv-cache-dtype", "fp8", "--max-num-batched-tokens",
-                "4096", "--no-prefix-cache", "--data-parallel-size", "2"]
+                "4096", "--no-prefix-cache", "--data-parallel-size", "2",
+                "--num-speculative-tokens", "3", "--speculative-method", "ngram"]
     base = ["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", *settings]
     assert main([*base, "--print", "vllm-args"]) == 0
     command = capsys.readouterr().out
     for flag in ("--quantization fp8", "--kv-cache-dtype fp8", "--max-num-batched-tokens 4096",
-                 "--no-enable-prefix-caching", "--data-parallel-size 2"):
+                 "--no-enable-prefix-caching", "--data-parallel-size 2",
+                 """--speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'"""):
         assert flag in command
+    # Without a method vLLM would take a draft model it is not given: no flag, a note.
+    assert main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100",
+                 "--num-speculative-tokens", "3", "--print", "vllm-args"]) == 0
+    out = capsys.readouterr()
+    assert "--speculative-config" not in out.out and "without --speculative-method" in out.err
     # The chart runs one engine per pod: the rest go to vllm.extraArgs, one argument each.
     from support.helm import render
 
@@ -310,6 +334,13 @@ def test_vllm_args_carry_every_setting_the_plan_was_given(
                         ("--max-num-batched-tokens", "4096"), ("--block-size", "16")):
         assert args[args.index(flag) + 1] == value
     assert "--no-enable-prefix-caching" in args and "--data-parallel-size" not in args
+    # What the sidecar cannot learn from the server, it is told.
+    kvgate = next(c for c in deployment["spec"]["template"]["spec"]["containers"]
+                  if c["name"] == "kvgate")
+    env = {e["name"]: e.get("value") for e in kvgate["env"]}
+    assert env["KVGATE_MAX_NUM_BATCHED_TOKENS"] == "4096"
+    assert (env["KVGATE_NUM_SPECULATIVE_TOKENS"], env["KVGATE_SPECULATIVE_METHOD"]) == (
+        "3", "ngram")
 
 
 @pytest.mark.parametrize("command", ["gpus", "presets"])

@@ -210,10 +210,11 @@ def test_chain_sums_calls_and_prefix_cache_saves_prefill() -> None:
     warm = chain(model, calls, prefix_cache=True)
     assert cold is not None and warm is not None
     assert cold.prefill_tokens == 4500
-    # Call 2 reuses 1000 + 200 tokens, call 3 reuses 1500 + 300, in whole blocks of 16
-    # as vLLM does: 1,800 tokens are 112 full blocks (1,792 tokens).
-    assert [c.cached_tokens for c in warm.calls] == [0, 1200, 1792]
-    assert warm.prefill_tokens == 1000 + 300 + 208
+    # Call 2 reuses call 1's 1000 + 200 tokens but the last output token, which vLLM
+    # samples and never computes, in whole blocks of 16 as vLLM does: 1,199 tokens are
+    # 74 full blocks (1,184 tokens); call 3 reuses 1,799 tokens: 112 blocks (1,792).
+    assert [c.cached_tokens for c in warm.calls] == [0, 1184, 1792]
+    assert warm.prefill_tokens == 1000 + 316 + 208
     assert cold.total_s == pytest.approx(sum(c.ttft_s + c.decode_s for c in cold.calls))
     assert warm.total_s < cold.total_s
     # Decode dominates this chain: 1,000 output tokens.

@@ -687,3 +687,16 @@ def test_against_a_real_vllm_the_simulator_beats_the_closed_form(big_kv_vllm: An
                    for key in ("ttft_p50", "ttft_p90", "tpot_p50", "tpot_p90"))
 
     assert total("simulator") < total("closed_form"), results
+
+
+def test_kv_samples_keep_at_most_the_asked_number_with_both_ends() -> None:
+    model = served()
+    full = run(model, [SimRequest(0.0, 100, 60)], kv_samples=100_000)
+    assert len(full.kv_samples) > 50
+    for points in (1, 2, 10, 50):
+        kept = run(model, [SimRequest(0.0, 100, 60)], kv_samples=points).kv_samples
+        assert len(kept) == points
+        assert kept[-1] == full.kv_samples[-1]
+        assert set(kept) <= set(full.kv_samples)
+        if points > 1:
+            assert kept[0] == full.kv_samples[0]

@@ -61,8 +61,10 @@ def plan(setting: Setting, *, blocks: int | None = None) -> dict[str, object]:
         args += ["--available-kv-gib", repr(setting.kv_bytes / GIB)]
     if blocks or setting.num_blocks:
         args += ["--num-gpu-blocks-override", str(blocks or setting.num_blocks)]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=60, check=True)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
     result: dict[str, object] = json.loads(proc.stdout)
+    # 0 when the deployment fits, 1 when vLLM would refuse to start it.
+    assert proc.returncode == (0 if result["fits"] is not False else 1), proc.stderr
     return result
 
 

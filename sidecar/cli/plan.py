@@ -264,14 +264,15 @@ def format_report(result: dict[str, Any]) -> str:
         "",
         f"Latency: {result['prompt_tokens']:,} prompt + {result['output_tokens']:,} output "
         f"tokens, {result['concurrency']} "
-        + ("clients (simulated closed loop)" if simulated else "running"),
+        + (("client" if result["concurrency"] == 1 else "clients") + " (simulated closed loop)"
+           if simulated else "running"),
         _indent(render(latency_rows)),
         "",
         "Plan",
         _indent(render(plan_rows)),
     ]
     if "simulated" in result:
-        parts += _simulated_report(result["simulated"])
+        parts += _simulated_report(result["simulated"], result["fits"] is False)
     chain_result = result.get("chain")
     if chain_result:
         rows = [[str(i + 1), f"{c['input_tokens']:,}", f"{c['output_tokens']:,}",
@@ -304,9 +305,10 @@ def _simulated(inputs: PlanInput) -> dict[str, Any] | None:
                          inputs.shared_prefix_tokens if inputs.prefix_cache else 0)
 
 
-def _simulated_report(runs: dict[str, Any] | None) -> list[str]:
+def _simulated_report(runs: dict[str, Any] | None, does_not_fit: bool) -> list[str]:
     if runs is None:
-        return ["", "Simulated: - (the engine simulator needs a GPU)"]
+        return ["", "Simulated: - (the deployment does not fit)" if does_not_fit
+                else "Simulated: - (the engine simulator needs a GPU)"]
 
     def pair(run: dict[str, Any], key: str) -> str:
         return f"{_ms(run[key]['p50'])} / {_ms(run[key]['p90'])}"
@@ -362,17 +364,44 @@ def served_flags(args: argparse.Namespace) -> list[str]:
                         ("--mamba-ssm-cache-dtype", args.mamba_ssm_cache_dtype)):
         if value != "auto":
             flags.append(f"{flag} {value}")
-    if args.num_speculative_tokens:
-        config = {"num_speculative_tokens": args.num_speculative_tokens}
-        if args.speculative_method:
-            config = {"method": args.speculative_method, **config}
+    if args.num_speculative_tokens and args.speculative_method:
+        config = {"method": args.speculative_method,
+                  "num_speculative_tokens": args.num_speculative_tokens}
         flags.append(f"--speculative-config '{json.dumps(config)}'")
     if args.no_async_scheduling:
         flags.append("--no-async-scheduling")
     return flags
 
 
+def _notes_on_flags_left_out(args: argparse.Namespace) -> None:
+    if args.dtype in ("int8", "int4"):
+        _note(f"--dtype {args.dtype} describes a quantized checkpoint: vLLM reads its "
+              "quantization from the checkpoint's config, so serve one (no flag makes it)")
+    if args.num_speculative_tokens and not args.speculative_method:
+        _note("--num-speculative-tokens without --speculative-method: give vLLM your own "
+              "--speculative-config (its drafter); the plan assumed one without KV layers")
+
+
+def kvgate_env(args: argparse.Namespace) -> list[dict[str, str]]:
+    """The sidecar's KVGATE_* settings for what it cannot learn from the server and the
+    plan was given (the chart's kvgate.extraEnv)."""
+    env = {
+        "KVGATE_MAX_NUM_BATCHED_TOKENS": args.max_num_batched_tokens,
+        "KVGATE_MAMBA_CACHE_MODE": args.mamba_cache_mode,
+        "KVGATE_MAMBA_CACHE_DTYPE": None if args.mamba_cache_dtype == "auto"
+        else args.mamba_cache_dtype,
+        "KVGATE_MAMBA_SSM_CACHE_DTYPE": None if args.mamba_ssm_cache_dtype == "auto"
+        else args.mamba_ssm_cache_dtype,
+        "KVGATE_NUM_SPECULATIVE_TOKENS": args.num_speculative_tokens or None,
+        "KVGATE_SPECULATIVE_METHOD": args.speculative_method,
+        "KVGATE_ATTENTION_BACKEND": args.attention_backend,
+    }
+    return [{"name": name, "value": str(value)} for name, value in env.items()
+            if value is not None]
+
+
 def vllm_args(result: dict[str, Any], args: argparse.Namespace) -> str:
+    _notes_on_flags_left_out(args)
     rec = result["recommendation"]
     flags = [
         f"--model {args.model}",
@@ -390,6 +419,7 @@ def vllm_args(result: dict[str, Any], args: argparse.Namespace) -> str:
 
 def helm_values(result: dict[str, Any], args: argparse.Namespace) -> str:
     """Values for the kvgate Helm chart (helm/kvgate) from the recommendation."""
+    _notes_on_flags_left_out(args)
     rec = result["recommendation"]
     model = args.model
     served_name = str(result["model"])
@@ -417,6 +447,9 @@ def helm_values(result: dict[str, Any], args: argparse.Namespace) -> str:
         # One flag and its value per list entry: the chart passes each as one argument.
         "  extraArgs: " + json.dumps([part for flag in extra for part in _split_flag(flag)]),
     ]
+    env = kvgate_env(args)
+    if env:
+        lines += ["kvgate:", "  extraEnv: " + json.dumps(env)]
     if rec["replicas"]:
         lines += [
             "autoscaling:",
@@ -445,7 +478,7 @@ def run(argv: Sequence[str], prog: str = "kvgate plan") -> int:
         if fallback is not None:
             _note(f"{fallback}; latency from the closed form")
         if args.simulate:
-            result["simulated"] = _simulated(inputs)
+            result["simulated"] = None if result["fits"] is False else _simulated(inputs)
     except ModelError as exc:
         parser.error(str(exc))
     except ValueError as exc:  # e.g. a calibration with out-of-range factors

@@ -163,11 +163,6 @@ def load_efficiency(path: Path | None) -> Efficiency | None:
 
 
 def deployment_from_args(args: argparse.Namespace) -> Deployment:
-    if (args.max_num_batched_tokens is not None and args.max_num_seqs is not None
-            and args.max_num_batched_tokens < args.max_num_seqs):
-        raise ModelError(
-            f"--max-num-batched-tokens ({args.max_num_batched_tokens}) must be at least "
-            f"--max-num-seqs ({args.max_num_seqs}), as vLLM requires")
     return Deployment(
         tp=args.tp,
         dtype=args.dtype,
@@ -199,5 +194,11 @@ def served_model_from_args(args: argparse.Namespace,
     """The served model the flags describe, calibrated when --calibration is given."""
     arch = read_model(args.model, note) if note is not None else read_model(args.model)
     served = ServedModel(arch, deployment_from_args(args), gpu_from_args(args))
+    if served.max_num_batched_tokens < served.max_num_seqs:
+        default = ", vLLM's default for the device"
+        tokens = f"{served.max_num_batched_tokens}{'' if args.max_num_batched_tokens else default}"
+        seqs = f"{served.max_num_seqs}{'' if args.max_num_seqs else default}"
+        raise ModelError(f"--max-num-batched-tokens ({tokens}) must be at least "
+                         f"--max-num-seqs ({seqs}), as vLLM requires")
     efficiency = load_efficiency(args.calibration)
     return served if efficiency is None else served.with_efficiency(efficiency)

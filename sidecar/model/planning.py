@@ -201,7 +201,8 @@ def chain(
 
     With a prefix cache, call i reuses the previous call's input plus output when its
     own input starts with them (it is at least as long), in whole blocks and never its
-    last input token (as vLLM reuses them); only the rest is prefilled.
+    last input token (as vLLM reuses them); only the rest is prefilled. The previous
+    call's last output token was sampled and never computed: it holds no KV.
     """
     if served.roofline is None:
         return None
@@ -210,7 +211,7 @@ def chain(
     block_size = served.block_size
     for call in calls:
         cached = 0
-        if prefix_cache and previous_context and call.input_tokens >= previous_context:
+        if prefix_cache and previous_context and call.input_tokens > previous_context:
             cached = prefix_hit_tokens(previous_context, call.input_tokens, block_size)
         new_tokens = max(1, call.input_tokens - cached)
         mid = call.input_tokens + call.output_tokens // 2
@@ -221,5 +222,5 @@ def chain(
         estimates.append(
             ChainCallEstimate(call, cached, prefill.seconds, call.output_tokens * decode.seconds)
         )
-        previous_context = call.input_tokens + call.output_tokens
+        previous_context = call.input_tokens + call.output_tokens - 1
     return ChainEstimate(tuple(estimates), prefix_cache)

@@ -14,6 +14,7 @@ from functools import cached_property
 from sidecar.model.architecture import (
     CompressedAttention,
     KVSettings,
+    MlaAttention,
     ModelArchitecture,
     dtype_bytes,
 )
@@ -175,10 +176,18 @@ class ServedModel:
 
     def _check_v4_cache_dtype(self) -> None:
         """vLLM refuses a non-fp8 --kv-cache-dtype for DeepSeek-V4 on its fp8_ds_mla
-        backends (`_resolve_dsv4_kv_cache_dtype`)."""
+        backends (`_resolve_dsv4_kv_cache_dtype`), and fp8_ds_mla on a model without
+        sparse MLA (no attention backend of a dense model stores it)."""
         compressed = any(isinstance(layer.mixer, CompressedAttention)
                          for layer in self.arch.layers)
         dtype = self.deployment.kv_cache_dtype
+        sparse_mla = compressed or any(
+            isinstance(layer.mixer, MlaAttention) and layer.mixer.sparse
+            for layer in self.arch.layers)
+        if dtype == "fp8_ds_mla" and not sparse_mla:
+            raise DeploymentError(
+                f"--kv-cache-dtype fp8_ds_mla is the cache layout of sparse MLA (DeepSeek "
+                f"V3.2 and V4, GLM-5); {self.arch.name} has no sparse MLA layers: use fp8")
         if (compressed and self._v4_ds_layout and dtype != "auto"
                 and not dtype.startswith("fp8")):
             raise DeploymentError(

@@ -867,9 +867,10 @@ class Engine:
         times, blocks = self.kv_times, self.kv_blocks
         points = self.config.kv_samples
         if len(times) > points > 0:
-            stride = len(times) / points
-            picks = sorted({min(len(times) - 1, int(i * stride)) for i in range(points)}
-                           | {len(times) - 1})
+            # At most `points`, evenly spaced, the first and the last among them.
+            stride = (len(times) - 1) / max(1, points - 1)
+            picks = sorted({round(i * stride) for i in range(points)} if points > 1
+                           else {len(times) - 1})
             samples = [(times[i], blocks[i]) for i in picks]
         else:
             samples = list(zip(times, blocks, strict=True))

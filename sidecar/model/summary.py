@@ -153,16 +153,19 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
 
 def fit_problems(served: ServedModel) -> list[str]:
     """Why vLLM would refuse to start this deployment, in words; empty when it starts or
-    when that is not known (no GPU and no logged budget)."""
+    when that is not known (no GPU and no logged budget). A KV budget or block count the
+    server logged or reports says its weights fit: they are not estimated again."""
     budget = served.memory_budget
     capacity = served.capacity
+    deployment = served.deployment
+    if deployment.available_kv_bytes is not None or deployment.num_gpu_blocks_override:
+        budget = None
     if budget is not None and served.weights_bytes >= budget.total_bytes * budget.utilization:
         return [f"the weights take {served.weights_bytes / GIB:,.2f} GiB per GPU, more than "
                 f"--gpu-memory-utilization {budget.utilization:g} of "
                 f"{budget.total_bytes / GIB:,.2f} GiB"]
-    kv_budget = served.kv_budget_bytes
-    if kv_budget is not None and kv_budget <= 0 and served.deployment.num_gpu_blocks_override \
-            is None:
+    kv_budget = None if budget is None else budget.kv_budget_bytes
+    if kv_budget is not None and kv_budget <= 0:
         return [f"no memory is left for the KV cache ({kv_budget / GIB:,.2f} GiB after weights, "
                 "activations and CUDA graphs)"]
     if capacity is not None and not capacity.fits_one_request:
