@@ -151,8 +151,8 @@ def test_vllm_args_and_helm_values(capsys: pytest.CaptureFixture[str]) -> None:
          "--shared-prefix-tokens 3,000 is more than --prompt-tokens 1,024"),
         (["--model", "Qwen/Qwen3-8B", "--max-num-batched-tokens", "64", "--max-num-seqs", "128"],
          "--max-num-batched-tokens (64) must be at least --max-num-seqs (128)"),
-        (["--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--max-num-batched-tokens", "128"],
-         "(128) must be at least --max-num-seqs (1024, vLLM's default for the device)"),
+        (["--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--max-num-seqs", "10000"],
+         "(8192, vLLM's default for the GPU) must be at least --max-num-seqs (10000)"),
         (["--model", "Qwen/Qwen3-8B", "--kv-cache-dtype", "fp8_ds_mla"],
          "Qwen/Qwen3-8B has no sparse MLA layers: use fp8"),
     ],
@@ -245,6 +245,12 @@ def test_a_deployment_that_does_not_fit_exits_1_and_recommends_nothing(
     # Nor does it simulate a server that does not start.
     assert main([*args, "--simulate", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["simulated"] is None
+    assert main([*args, "--simulate"]) == 1
+    assert "Simulated: - (the deployment does not fit)" in capsys.readouterr().out
+    # A forced block count skips vLLM's check of the KV memory, not of the weights.
+    assert main([*args, "--num-gpu-blocks-override", "1000", "--max-model-len", "8192",
+                 "--json"]) == 1
+    assert "the weights take" in json.loads(capsys.readouterr().out)["fit_problems"][0]
     # The weights fit but one request of --max-model-len does not: vLLM refuses to start.
     assert main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--max-model-len",
                  "1000000", "--json"]) == 1
@@ -280,6 +286,15 @@ def test_a_budget_the_server_logged_says_its_weights_fit(
                        "--gpu-memory-gib", "10", "--available-kv-gib", "2",
                        "--max-model-len", "8192")
     assert result["fits"] is True and result["fit_problems"] == []
+
+
+def test_max_num_seqs_defaults_below_the_batched_tokens_as_vllm_lowers_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # vLLM's default of 1,024 sequences on an H100 is lowered to 512 batched tokens.
+    result = plan_json(capsys, "--model", "Qwen/Qwen3-8B", "--gpu", "H100",
+                       "--max-model-len", "8192", "--max-num-batched-tokens", "512")
+    rec = result["recommendation"]
+    assert isinstance(rec, dict) and 1 <= rec["max_num_seqs"] <= 512
 
 
 def test_the_closed_form_says_when_it_misses_a_target() -> None:

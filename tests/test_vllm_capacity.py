@@ -62,8 +62,9 @@ def plan(setting: Setting, *, blocks: int | None = None) -> dict[str, object]:
     if blocks or setting.num_blocks:
         args += ["--num-gpu-blocks-override", str(blocks or setting.num_blocks)]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=60, check=False)
+    # 0 when the deployment fits, 1 when vLLM would refuse to start it (not 2: bad input).
+    assert proc.returncode in (0, 1), proc.stderr
     result: dict[str, object] = json.loads(proc.stdout)
-    # 0 when the deployment fits, 1 when vLLM would refuse to start it.
     assert proc.returncode == (0 if result["fits"] is not False else 1), proc.stderr
     return result
 

@@ -379,7 +379,8 @@ def _notes_on_flags_left_out(args: argparse.Namespace) -> None:
               "quantization from the checkpoint's config, so serve one (no flag makes it)")
     if args.num_speculative_tokens and not args.speculative_method:
         _note("--num-speculative-tokens without --speculative-method: give vLLM your own "
-              "--speculative-config (its drafter); the plan assumed one without KV layers")
+              "--speculative-config (its drafter) and the sidecar KVGATE_NUM_SPECULATIVE_"
+              "TOKENS; the plan assumed a drafter without KV layers")
 
 
 def kvgate_env(args: argparse.Namespace) -> list[dict[str, str]]:
@@ -392,7 +393,9 @@ def kvgate_env(args: argparse.Namespace) -> list[dict[str, str]]:
         else args.mamba_cache_dtype,
         "KVGATE_MAMBA_SSM_CACHE_DTYPE": None if args.mamba_ssm_cache_dtype == "auto"
         else args.mamba_ssm_cache_dtype,
-        "KVGATE_NUM_SPECULATIVE_TOKENS": args.num_speculative_tokens or None,
+        # With the drafter vLLM is given (no --speculative-config without a method).
+        "KVGATE_NUM_SPECULATIVE_TOKENS": args.num_speculative_tokens
+        if args.speculative_method else None,
         "KVGATE_SPECULATIVE_METHOD": args.speculative_method,
         "KVGATE_ATTENTION_BACKEND": args.attention_backend,
     }

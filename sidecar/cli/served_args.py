@@ -194,11 +194,14 @@ def served_model_from_args(args: argparse.Namespace,
     """The served model the flags describe, calibrated when --calibration is given."""
     arch = read_model(args.model, note) if note is not None else read_model(args.model)
     served = ServedModel(arch, deployment_from_args(args), gpu_from_args(args))
-    if served.max_num_batched_tokens < served.max_num_seqs:
-        default = ", vLLM's default for the device"
-        tokens = f"{served.max_num_batched_tokens}{'' if args.max_num_batched_tokens else default}"
-        seqs = f"{served.max_num_seqs}{'' if args.max_num_seqs else default}"
+    # vLLM lowers its default max_num_seqs to the batched tokens, but refuses a given one
+    # above them.
+    if args.max_num_seqs and served.max_num_batched_tokens < served.max_num_seqs:
+        tokens = str(served.max_num_batched_tokens)
+        if not args.max_num_batched_tokens:
+            tokens += (", vLLM's default for the GPU" if served.gpu is not None
+                       else ", the default kvgate assumes without --gpu")
         raise ModelError(f"--max-num-batched-tokens ({tokens}) must be at least "
-                         f"--max-num-seqs ({seqs}), as vLLM requires")
+                         f"--max-num-seqs ({served.max_num_seqs}), as vLLM requires")
     efficiency = load_efficiency(args.calibration)
     return served if efficiency is None else served.with_efficiency(efficiency)

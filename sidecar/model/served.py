@@ -214,7 +214,11 @@ class ServedModel:
 
     @property
     def max_num_seqs(self) -> int:
-        return self.deployment.max_num_seqs or server_defaults(self.gpu)[1]
+        """As given, else vLLM's default for the GPU, lowered to max_num_batched_tokens
+        (vLLM's `_set_default_max_num_seqs_and_batched_tokens_args`)."""
+        if self.deployment.max_num_seqs:
+            return self.deployment.max_num_seqs
+        return min(server_defaults(self.gpu)[1], self.max_num_batched_tokens)
 
     @property
     def in_flight_tokens(self) -> int:

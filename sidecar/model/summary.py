@@ -35,6 +35,8 @@ class PlanInput:
     chain: tuple[ChainCall, ...]
     prefix_cache: bool
     shared_prefix_tokens: int = 0  # at the start of every prompt (system prompt, tools)
+    # The plan of a server that runs (GET /kvgate/v1/plan): it started, so it fits.
+    server_running: bool = False
 
 
 def compute_plan(plan: PlanInput) -> dict[str, Any]:
@@ -57,7 +59,7 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
         shared_prefix,
     )
     kv_budget = served.kv_budget_bytes
-    problems = fit_problems(served)
+    problems = [] if plan.server_running else fit_problems(served)
     # None: not known (no GPU and no logged budget); False: vLLM would refuse to start.
     fits = False if problems else (None if capacity is None else True)
     targets_met = _targets_met(rec.latency_at_max, plan.ttft_slo_s, plan.tpot_slo_s)
@@ -153,19 +155,20 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
 
 def fit_problems(served: ServedModel) -> list[str]:
     """Why vLLM would refuse to start this deployment, in words; empty when it starts or
-    when that is not known (no GPU and no logged budget). A KV budget or block count the
-    server logged or reports says its weights fit: they are not estimated again."""
+    when that is not known (no GPU and no logged budget). A KV budget the server logged
+    says its weights fit: they are not estimated again; with --num-gpu-blocks-override
+    vLLM skips its own check of the KV memory, not the weights."""
     budget = served.memory_budget
     capacity = served.capacity
     deployment = served.deployment
-    if deployment.available_kv_bytes is not None or deployment.num_gpu_blocks_override:
+    if deployment.available_kv_bytes is not None:
         budget = None
     if budget is not None and served.weights_bytes >= budget.total_bytes * budget.utilization:
         return [f"the weights take {served.weights_bytes / GIB:,.2f} GiB per GPU, more than "
                 f"--gpu-memory-utilization {budget.utilization:g} of "
                 f"{budget.total_bytes / GIB:,.2f} GiB"]
     kv_budget = None if budget is None else budget.kv_budget_bytes
-    if kv_budget is not None and kv_budget <= 0:
+    if kv_budget is not None and kv_budget <= 0 and not deployment.num_gpu_blocks_override:
         return [f"no memory is left for the KV cache ({kv_budget / GIB:,.2f} GiB after weights, "
                 "activations and CUDA graphs)"]
     if capacity is not None and not capacity.fits_one_request:

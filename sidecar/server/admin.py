@@ -132,7 +132,7 @@ async def plan(request: web.Request) -> web.Response:
         served=served, sequence_tokens=served.max_model_len, prompt_tokens=prompt,
         output_tokens=output, concurrency=concurrency, arrival_rate=rate, ttft_slo_s=None,
         tpot_slo_s=None, kv_margin=services.settings.kv_target_ratio, chain=(),
-        prefix_cache=served.deployment.enable_prefix_caching,
+        prefix_cache=served.deployment.enable_prefix_caching, server_running=True,
     )
 
     def answer() -> dict[str, Any]:
