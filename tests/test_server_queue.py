@@ -22,6 +22,7 @@ from sidecar.admission import (
     ServerQueueLimits,
 )
 from sidecar.admission.server_queue import REASONS
+from sidecar.server.errors import rejection_response
 from sidecar.upstream.refusals import (
     REFUSAL_MESSAGES,
     REFUSAL_REASONS,
@@ -193,6 +194,9 @@ def test_sequences_count_as_vllm_counts_them() -> None:
         decision = rejected.value.decision
         assert decision.outcome is Outcome.NEVER_FITS
         assert "--max-num-queued-reqs 4" in decision.reason
+        # The client's answer names `n` (its sequences), not max_tokens.
+        body = json.loads(rejection_response(decision).text or "")
+        assert body["error"]["param"] == "n"
         waiting = asyncio.ensure_future(ctl.admit(AdmissionRequest(
             prompt_tokens=20, max_tokens=10, sequences=2)))
         await asyncio.sleep(0)

@@ -67,7 +67,10 @@ def error_response(
 
 def rejection_response(decision: Decision) -> web.Response:
     status = STATUS[decision.outcome]
-    param = "max_tokens" if decision.outcome is Outcome.NEVER_FITS else None
+    param = None
+    if decision.outcome is Outcome.NEVER_FITS:
+        # Too many sequences for the server's queue limit is `n`'s doing, not max_tokens'.
+        param = "n" if "server_limit" in decision.details else "max_tokens"
     kvgate: dict[str, Any] = {"outcome": decision.outcome.value, **decision.details}
     if decision.retry_after_s is not None:
         kvgate["retry_after_s"] = decision.retry_after_s
