@@ -403,8 +403,18 @@ def kvgate_env(args: argparse.Namespace) -> list[dict[str, str]]:
             if value is not None]
 
 
-def vllm_args(result: dict[str, Any], args: argparse.Namespace) -> str:
+def engine_flags(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """The vLLM flags beside the model, its sizes and the recommendation: the plan's
+    block size, the settings it was given, --enforce-eager when its budget has no CUDA
+    graph pool."""
     _notes_on_flags_left_out(args)
+    flags = [f"--block-size {result['block_size']}", *served_flags(args)]
+    if not result["cudagraphs"]["piecewise"]:
+        flags.append("--enforce-eager")
+    return flags
+
+
+def vllm_args(result: dict[str, Any], args: argparse.Namespace) -> str:
     rec = result["recommendation"]
     flags = [
         f"--model {args.model}",
@@ -412,25 +422,19 @@ def vllm_args(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"--max-model-len {result['max_model_len']}",
         f"--max-num-seqs {rec['max_num_seqs']}",
         f"--gpu-memory-utilization {rec['gpu_memory_utilization']}",
-        f"--block-size {result['block_size']}",
-        *served_flags(args),
+        *engine_flags(result, args),
     ]
-    if not result["cudagraphs"]["piecewise"]:
-        flags.append("--enforce-eager")  # the plan's KV budget has no CUDA graph pool
     return " \\\n  ".join(["vllm serve", *flags])
 
 
 def helm_values(result: dict[str, Any], args: argparse.Namespace) -> str:
     """Values for the kvgate Helm chart (helm/kvgate) from the recommendation."""
-    _notes_on_flags_left_out(args)
     rec = result["recommendation"]
     model = args.model
     served_name = str(result["model"])
     directory = Path(model).name if Path(model).exists() else served_name.rpartition("/")[2]
-    extra = [f"--block-size {result['block_size']}",
-             *(flag for flag in served_flags(args) if not flag.startswith("--data-parallel"))]
-    if not result["cudagraphs"]["piecewise"]:
-        extra.append("--enforce-eager")
+    extra = [flag for flag in engine_flags(result, args)
+             if not flag.startswith("--data-parallel")]
     if args.data_parallel_size > 1:
         _note("the chart runs one engine per pod (gpu.count is its tensor-parallel size): "
               "--data-parallel-size is left out; scale with replicaCount instead")

@@ -172,9 +172,9 @@ class ServedModel:
         self.deployment = (deployment or Deployment()).validated(arch)
         self.gpu = gpu
         self.efficiency = efficiency
-        self._check_v4_cache_dtype()
+        self._check_cache_dtype()
 
-    def _check_v4_cache_dtype(self) -> None:
+    def _check_cache_dtype(self) -> None:
         """vLLM refuses a non-fp8 --kv-cache-dtype for DeepSeek-V4 on its fp8_ds_mla
         backends (`_resolve_dsv4_kv_cache_dtype`), and fp8_ds_mla on a model without
         sparse MLA (no attention backend of a dense model stores it)."""

@@ -867,10 +867,10 @@ class Engine:
         times, blocks = self.kv_times, self.kv_blocks
         points = self.config.kv_samples
         if len(times) > points > 0:
-            # At most `points`, evenly spaced, the first and the last among them.
-            stride = (len(times) - 1) / max(1, points - 1)
-            picks = sorted({round(i * stride) for i in range(points)} if points > 1
-                           else {len(times) - 1})
+            # At most `points`, evenly spaced, ending with the last (and, with two or more,
+            # starting with the first).
+            last = len(times) - 1
+            picks = sorted({last - round(i * last / max(1, points - 1)) for i in range(points)})
             samples = [(times[i], blocks[i]) for i in picks]
         else:
             samples = list(zip(times, blocks, strict=True))
