@@ -132,10 +132,10 @@ def plan_input(args: argparse.Namespace) -> PlanInput:
             f"--shared-prefix-tokens {args.shared_prefix_tokens:,} is more than --prompt-tokens "
             f"{args.prompt_tokens:,}: the shared prefix is the start of every prompt")
     served = served_model_from_args(args, _note)
-    if served.max_model_len > served.arch.max_position_embeddings:
+    context = served.arch.context
+    if served.max_model_len > context.limit:
         _note(f"--max-model-len {served.max_model_len:,} is beyond the model's "
-              f"max_position_embeddings ({served.arch.max_position_embeddings:,}): vLLM "
-              "refuses it unless the config's rope scaling extends the context or "
+              f"{context.source} ({context.limit:,}): vLLM refuses it unless "
               "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set")
     return PlanInput(
         served=served,

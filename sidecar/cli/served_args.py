@@ -69,8 +69,9 @@ def add_served_model_args(parser: Parser) -> None:
     vllm.add_argument("--gpu-memory-utilization", type=fraction, default=0.9, metavar="F",
                       help="share of GPU memory vLLM may use (default: 0.9)")
     vllm.add_argument("--max-model-len", type=positive_int, metavar="N",
-                      help="context length per request (default: the model's "
-                           "max_position_embeddings)")
+                      help="context length per request (default: vLLM's, from the "
+                           "config: max_position_embeddings, times a linear or dynamic "
+                           "rope scaling factor; a LongRoPE model's original length)")
     vllm.add_argument("--block-size", type=positive_int, metavar="N",
                       help="tokens per KV block (default: vLLM's choice for the model: 16, "
                            "64 with a DSA indexer, 256 for DeepSeek-V4's compressed caches, "

@@ -511,6 +511,20 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class ContextLength:
+    """The model's context length as vLLM derives it from the config.
+
+    `limit` is the longest `--max-model-len` vLLM accepts (without
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN), `default` what it serves without one (below the
+    limit for LongRoPE models: their original context), `source` where the limit
+    comes from, for messages ("max_position_embeddings x rope factor 4")."""
+
+    limit: int
+    default: int
+    source: str
+
+
+@dataclass(frozen=True)
 class ModelArchitecture:
     """What the model is, independent of how it is deployed."""
 
@@ -520,7 +534,7 @@ class ModelArchitecture:
     vocab_size: int
     tie_word_embeddings: bool
     layers: tuple[Layer, ...]
-    max_position_embeddings: int
+    context: ContextLength
     torch_dtype: str | None
     quantization: Mapping[str, object] | None = None
     vision_params: int = 0

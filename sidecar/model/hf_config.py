@@ -30,6 +30,7 @@ from sidecar.model.architecture import (
     StateMixer,
 )
 from sidecar.model.errors import ConfigError, UnknownPresetError
+from sidecar.model.hf_context import context_length
 
 Config = Mapping[str, Any]
 
@@ -129,10 +130,7 @@ def parse_config(raw: Config, name: str = "model") -> ModelArchitecture:
         vocab_size=vocab,
         tie_word_embeddings=_tied(text, raw, model_type),
         layers=layers,
-        max_position_embeddings=reader.optional_int(
-            "max_position_embeddings", "max_seq_len", "n_positions", "seq_length"
-        )
-        or 2048,
+        context=context_length(text, str(text.get("model_type") or model_type), name),
         torch_dtype=_dtype(text, raw),
         quantization=_quantization(text, raw),
         vision_params=_vision_params(vision, hidden),

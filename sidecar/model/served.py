@@ -206,7 +206,7 @@ class ServedModel:
 
     @property
     def max_model_len(self) -> int:
-        return self.deployment.max_model_len or self.arch.max_position_embeddings
+        return self.deployment.max_model_len or self.arch.context.default
 
     @property
     def max_num_batched_tokens(self) -> int:

@@ -307,7 +307,7 @@ class KvCase:
         """The deployment as `kvgate plan` would model it: with the logged KV budget
         (`--available-kv-gib`) when given, else estimating it from the GPU."""
         arch = self.arch
-        max_len = self.max_model_len or arch.max_position_embeddings
+        max_len = self.max_model_len or arch.context.default
         deployment = Deployment(
             tp=self.tp,
             # Unknown utilization only occurs where it does not matter (weights, or a
