@@ -11,6 +11,9 @@ import pytest
 
 from sidecar.cli.main import main
 from sidecar.cli.plan import build_parser
+from sidecar.model import Deployment, ServedModel, read_architecture
+from sidecar.model.gpu import find_gpu
+from sidecar.model.summary import PlanInput, compute_plan
 
 CONTRACT_KEYS = {
     "params_total", "params_active", "weights_bytes", "kv_bytes_per_token",
@@ -366,3 +369,25 @@ def test_listing_commands_explain_themselves(command: str,
     assert out.startswith(f"usage: kvgate {command}") and "--" in out
     assert main([command, "--frobnicate"]) == 2
     assert "takes no options" in capsys.readouterr().err
+
+
+def test_the_plan_of_a_running_server_never_says_it_does_not_fit() -> None:
+    # The same deployment, with a cache too small for one --max-model-len request: the
+    # offline plan says vLLM would refuse to start; a server that runs (GET
+    # /kvgate/v1/plan) started, so its plan keeps its figures and its recommendation.
+    served = ServedModel(read_architecture("Qwen/Qwen3-8B"),
+                         Deployment(max_model_len=32768, num_gpu_blocks_override=1000),
+                         find_gpu("H100"))
+    answers = {}
+    for running in (False, True):
+        answers[running] = compute_plan(PlanInput(
+            served=served, sequence_tokens=served.max_model_len, prompt_tokens=1024,
+            output_tokens=256, concurrency=4, arrival_rate=None, ttft_slo_s=None,
+            tpot_slo_s=None, kv_margin=0.9, chain=(), prefix_cache=True,
+            server_running=running))
+    offline, running_plan = answers[False], answers[True]
+    assert offline["fits"] is False and "KV blocks" in offline["fit_problems"][0]
+    assert offline["recommendation"]["max_num_seqs"] is None
+    assert running_plan["fits"] is True and running_plan["fit_problems"] == []
+    assert running_plan["recommendation"]["max_num_seqs"] >= 1
+    assert running_plan["num_gpu_blocks"] == offline["num_gpu_blocks"] == 1000
