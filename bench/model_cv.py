@@ -7,7 +7,7 @@ cross-validated by model family, against the public measurements in tests/data.
 The fit (`fit`) moves only terms that are physics or engine properties, never a
 per-model or per-GPU constant: the hardware efficiencies shared by every row
 (bandwidth, per-layer cost, serial fraction), and each serving engine's share of peak
-FLOP/s (its kernels: TensorRT-LLM's fused ones reach more of it than vLLM's) and host
+FLOP/s (its kernels) and host
 costs (per step, per request, per all-reduce). It starts from a fixed textbook prior
 (`NEUTRAL_START`), not from the committed constants, so no fold sees the rows it is
 tested on, even through its starting point; and from the same prior with each engine's

@@ -53,6 +53,24 @@ CRAFTED: dict[str, dict[str, Any]] = {
     "gemma3 linear x8 (already scaled)": {**GEMMA3, "rope_scaling": {
         "rope_type": "linear", "factor": 8.0}},
     "null factor": {**TINY, "rope_scaling": {"rope_type": "linear", "factor": None}},
+    # Qwen3's config class reads layer_types (Llama's would not: its RoPE set stays flat).
+    "nested by layer type": {**TINY, "architectures": ["Qwen3ForCausalLM"],
+                             "model_type": "qwen3", "head_dim": 64,
+                             "layer_types": ["full_attention", "sliding_attention"],
+                             "sliding_window": 512,
+                             "rope_parameters": {
+                                 "full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                    "rope_theta": 1e6},
+                                 "sliding_attention": {"rope_type": "default",
+                                                       "rope_theta": 1e4}}},
+    "layer-type keys without layer_types (flat)": {**TINY, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}},
+    "rope_scaling before rope_parameters": {
+        **TINY, "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+        "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+    "telechat3-yarn is yarn": {**TINY, "rope_scaling": {
+        "rope_type": "telechat3-yarn", "factor": 4.0,
+        "original_max_position_embeddings": 1024}},
 }
 
 
@@ -101,24 +119,39 @@ def test_the_smallest_length_key_wins_but_model_max_length_overrides() -> None:
     assert (context.limit, context.source) == (65536, "model_max_length")
 
 
-def test_nested_rope_parameters_per_layer_type() -> None:
-    nested = {**TINY, "rope_parameters": {
-        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
-    assert parse_config(nested).context.limit == 8192
+def test_rope_parameters_nest_by_the_configs_own_layer_types() -> None:
+    assert parse_config(CRAFTED["nested by layer type"]).context.limit == 8192
+    # Keyed by a layer type the config does not declare: one flat set, without a factor.
+    assert parse_config(CRAFTED["layer-type keys without layer_types (flat)"]).context.limit \
+        == 4096
 
 
-def test_no_length_key_is_vllms_2048() -> None:
+def test_rope_scaling_is_read_before_rope_parameters() -> None:
+    assert parse_config(CRAFTED["rope_scaling before rope_parameters"]).context.limit == 16384
+
+
+@pytest.mark.parametrize(("legacy", "modern_limit"), [
+    ({"type": "su", "factor": 4.0}, 4096),  # LongRoPE: not scaled
+    ({"rope_type": "telechat3-yarn", "factor": 4.0}, 4096),  # YaRN: not scaled
+    ({"type": "dynamic", "factor": 4.0}, 16384),
+])
+def test_legacy_rope_type_names(legacy: dict[str, Any], modern_limit: int) -> None:
+    assert parse_config({**TINY, "rope_scaling": legacy}).context.limit == modern_limit
+
+
+def test_without_a_length_key_no_limit_is_checked() -> None:
+    # vLLM then checks no --max-model-len; it serves the model class's default length,
+    # which the config file does not say: its own fallback, 2048, is assumed.
     config = {k: v for k, v in TINY.items() if k != "max_position_embeddings"}
     context = context_length(config, "llama", "tiny")
-    assert context.limit == context.default == 2048
-    assert "2048" in context.source
+    assert context.limit is None and context.default == 2048
 
 
 @pytest.mark.parametrize(("change", "named"), [
     ({"max_position_embeddings": "4k"}, "'max_position_embeddings'"),
     ({"rope_scaling": {"type": "linear", "factor": -2}}, "'factor'"),
     ({"rope_scaling": "linear"}, "'rope_scaling'"),
+    ({"rope_parameters": ["linear"]}, "'rope_parameters'"),
 ])
 def test_bad_lengths_are_errors_naming_the_field(change: dict[str, Any], named: str) -> None:
     with pytest.raises(ConfigError, match=named):
@@ -145,6 +178,7 @@ def vllm_lengths() -> dict[str, dict[str, Any]]:
 def test_the_context_length_is_vllms(name: str) -> None:
     context = parse_config(_cases()[name], name).context
     vllm = vllm_lengths()[name]
+    assert context.limit is not None
     assert vllm["default"] == context.default
     assert vllm["accepts_limit"], f"vLLM refuses --max-model-len {context.limit}"
     assert vllm["refuses_above"], f"vLLM accepts --max-model-len {context.limit + 1}"

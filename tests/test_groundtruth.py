@@ -125,7 +125,7 @@ def _out_of_fold() -> tuple[Prediction, ...]:
 # and the bounds are 12% and 10%. Under load the targets are 35% (TTFT) and 20% (TPOT);
 # the model reaches 39.0% on 53 rows and 29.6% on 48 (bursts of 10 to 1,000 prompts,
 # most of whose long prefills it still prices too cheap on an H100, and the closed
-# loops, whose TTFT it prices a third too cheap at every concurrency): there the bounds
+# loops, whose TTFT it prices 40-53% too cheap at every concurrency): there the bounds
 # are what it reaches, with a small margin, until it does. A change that loses accuracy
 # fails (the cross-validation is deterministic). The closed loops' own median
 # inter-token latency (their sources give no TPOT) is within 13% on 5 rows, 19.1% on

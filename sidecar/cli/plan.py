@@ -133,7 +133,7 @@ def plan_input(args: argparse.Namespace) -> PlanInput:
             f"{args.prompt_tokens:,}: the shared prefix is the start of every prompt")
     served = served_model_from_args(args, _note)
     context = served.arch.context
-    if served.max_model_len > context.limit:
+    if context.limit is not None and served.max_model_len > context.limit:
         _note(f"--max-model-len {served.max_model_len:,} is beyond the model's "
               f"{context.source} ({context.limit:,}): vLLM refuses it unless "
               "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 is set")

@@ -515,11 +515,12 @@ class ContextLength:
     """The model's context length as vLLM derives it from the config.
 
     `limit` is the longest `--max-model-len` vLLM accepts (without
-    VLLM_ALLOW_LONG_MAX_MODEL_LEN), `default` what it serves without one (below the
-    limit for LongRoPE models: their original context), `source` where the limit
-    comes from, for messages ("max_position_embeddings x rope factor 4")."""
+    VLLM_ALLOW_LONG_MAX_MODEL_LEN; None when the config gives no length and vLLM checks
+    none), `default` what it serves without one (below the limit for LongRoPE models:
+    their original context), `source` where the limit comes from, for messages
+    ("max_position_embeddings x rope factor 4")."""
 
-    limit: int
+    limit: int | None
     default: int
     source: str
 

@@ -3,8 +3,9 @@
 `derive_max_model_len_and_key`):
 
 - the smallest of the length keys present (`max_position_embeddings`, `n_positions`,
-  `max_seq_len`, ...), or `model_max_length` whenever the config gives it (Command-R);
-  2048 when none is;
+  `max_seq_len`, ...), or `model_max_length` whenever the config gives it (Command-R).
+  With none, vLLM checks no `--max-model-len` and serves the model class's default
+  length, which a config file does not say: 2048 (vLLM's own fallback) is assumed;
 - times the RoPE scaling factor, for the scaling types whose factor is not already in
   `max_position_embeddings` (linear, dynamic, ...; not YaRN, Llama 3, LongRoPE), except
   Gemma 3, whose length is already scaled;
@@ -24,26 +25,33 @@ from sidecar.model.errors import ConfigError
 LENGTH_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length",
                "model_max_length", "max_target_positions", "max_sequence_length",
                "max_seq_length", "seq_len")
-# Without any of them vLLM assumes this length (and warns).
+# Without any of them: vLLM's fallback (the model class's own default, when it has one,
+# is not in the config file).
 DEFAULT_LENGTH = 2048
 # RoPE types whose factor is already in max_position_embeddings (or that extend nothing).
 _UNSCALED_ROPE_TYPES = frozenset({"su", "longrope", "llama3", "yarn", "deepseek_yarn",
                                   "deepseek_llama_scaling"})
 # Legacy names vLLM patches to the modern ones.
-_LEGACY_ROPE_TYPES = {"su": "longrope", "mrope": "default"}
+_LEGACY_ROPE_TYPES = {"su": "longrope", "mrope": "default", "telechat3-yarn": "yarn"}
+# Transformers' layer types: RoPE parameters keyed by those of a config's `layer_types`
+# are one set per layer type.
+_LAYER_TYPES = frozenset({
+    "full_attention", "sliding_attention", "chunked_attention", "window_attention",
+    "indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+    "minimax_m3_sparse", "conv", "moe", "hybrid", "hybrid_sliding", "linear_attention",
+    "sparse", "dense"})
 
 
 def context_length(cfg: Mapping[str, Any], model_type: str, name: str) -> ContextLength:
     """vLLM's limit and default context length for the text model's config `cfg`."""
     lengths = {key: _length(cfg, key, name) for key in LENGTH_KEYS if cfg.get(key) is not None}
-    if lengths.get("model_max_length"):
-        key = "model_max_length"
-    elif lengths:
-        key = min(lengths, key=lambda k: lengths[k])
-    else:
-        key = ""
-    derived = float(lengths[key]) if key else float(DEFAULT_LENGTH)
-    source = key or f"vLLM's default of {DEFAULT_LENGTH} (the config gives no length)"
+    if not lengths:
+        return ContextLength(limit=None, default=DEFAULT_LENGTH,
+                             source="no length in the config (vLLM checks none)")
+    key = ("model_max_length" if lengths.get("model_max_length")
+           else min(lengths, key=lambda k: lengths[k]))
+    derived = float(lengths[key])
+    source = key
     rope = list(_rope_parameters(cfg, name))
     if rope and "gemma3" not in model_type:
         factor = 1.0
@@ -82,19 +90,25 @@ def _factor(value: object, name: str) -> float:
 
 def _rope_parameters(cfg: Mapping[str, Any], name: str) -> Iterator[dict[str, Any]]:
     """Each set of RoPE parameters (one per layer type when nested), with its modern
-    `rope_type` (Transformers reads a legacy `rope_scaling` as `rope_parameters`)."""
-    found = cfg.get("rope_parameters")
-    if found is None:
-        found = cfg.get("rope_scaling")
-    if found is None:
+    `rope_type`. Transformers reads a legacy `rope_scaling` in place of
+    `rope_parameters` (first when both are there), and nests them by layer type only
+    under the config's own `layer_types` (as the config classes that read them do,
+    Qwen3's and Gemma 3's among them)."""
+    key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    found = cfg.get(key)
+    if not found:
         return
     if not isinstance(found, Mapping):
-        raise ConfigError(f"{name}: config field 'rope_scaling' must be an object, "
-                          f"got {found!r}")
-    nested = bool(found) and all(isinstance(v, Mapping) for v in found.values())
+        raise ConfigError(f"{name}: config field {key!r} must be an object, got {found!r}")
+    layer_types = cfg.get("layer_types")
+    declared = set(layer_types) & _LAYER_TYPES if isinstance(layer_types, list) else set()
+    nested = set(found) <= declared
     for params in (found.values() if nested else [found]):
         if not params:
             continue
+        if not isinstance(params, Mapping):
+            raise ConfigError(f"{name}: config field {key!r} must hold objects, "
+                              f"got {params!r}")
         rope_type = params.get("rope_type", params.get("type", "default"))
         rope_type = _LEGACY_ROPE_TYPES.get(str(rope_type), str(rope_type))
         yield {**params, "rope_type": rope_type}
