@@ -212,10 +212,11 @@ def objective(cases: Sequence[LatencyCase]) -> Callable[[dict[str, float]], floa
 PER_REQUEST_STARTS_S = (2e-3, 10e-3, 30e-3)
 
 
-def fit(cases: Sequence[LatencyCase], rounds: int = 5) -> dict[str, float]:
+def fit(cases: Sequence[LatencyCase], rounds: int = 5,
+        starts_s: Sequence[float] = PER_REQUEST_STARTS_S) -> dict[str, float]:
     """Coordinate search over the physics and engine terms, on the steady rows of
     `cases`, from NEUTRAL_START with each fitted engine's cost per request started at
-    each of PER_REQUEST_STARTS_S; the lowest training objective wins (the first start
+    each of `starts_s`; the lowest training objective wins (the first start
     on a tie). Engines with fewer than MIN_ROWS_PER_ENGINE rows keep the prior.
     Deterministic."""
     steady = [c for c in cases if c.kind == "steady"]
@@ -230,7 +231,7 @@ def fit(cases: Sequence[LatencyCase], rounds: int = 5) -> dict[str, float]:
                 bounds[f"{engine}.{name}"] = (low, high)
     score = objective(steady)
     best: tuple[float, dict[str, float]] | None = None
-    for per_request in itertools.product(PER_REQUEST_STARTS_S, repeat=len(fitted)):
+    for per_request in itertools.product(starts_s, repeat=len(fitted)):
         start = {**NEUTRAL_START, **{f"{engine}.per_request_s": value
                                       for engine, value in zip(fitted, per_request, strict=True)}}
         values, value_score = _coordinate_search(score, bounds, start, rounds)
@@ -311,8 +312,10 @@ class Prediction:
         return abs(self.predicted_ms / self.measured_ms - 1)
 
 
-def cross_validate(cases: Sequence[LatencyCase] | None = None, rounds: int = 5,
-                   by: str = "family") -> tuple[list[Prediction], dict[str, dict[str, float]]]:
+def cross_validate(
+    cases: Sequence[LatencyCase] | None = None, rounds: int = 5, by: str = "family",
+    starts_s: Sequence[float] = PER_REQUEST_STARTS_S,
+) -> tuple[list[Prediction], dict[str, dict[str, float]]]:
     """Leave-one-group-out predictions of every usable row (groups: model families, or
     `by="source"` the measurements' sources), and each fold's terms."""
     cases = list(cases if cases is not None else usable_cases())
@@ -320,7 +323,7 @@ def cross_validate(cases: Sequence[LatencyCase] | None = None, rounds: int = 5,
     out: list[Prediction] = []
     folds: dict[str, dict[str, float]] = {}
     for held in sorted({group(c) for c in cases}):
-        values = fit([c for c in cases if group(c) != held], rounds)
+        values = fit([c for c in cases if group(c) != held], rounds, starts_s)
         folds[held] = values
         for case in (c for c in cases if group(c) == held):
             efficiency = efficiency_for(values, case.engine)
@@ -372,15 +375,34 @@ def summary(predictions: Sequence[Prediction]) -> list[dict[str, Any]]:
     return out
 
 
+def _milliseconds(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(part) * 1e-3 for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of numbers: {text!r}") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"each start must be positive: {text!r}")
+    return values
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the results here")
     parser.add_argument("--rounds", type=int, default=5, help="coordinate-search rounds")
+    parser.add_argument("--per-request-starts-ms", type=_milliseconds, metavar="A,B,...",
+                        default=PER_REQUEST_STARTS_S,
+                        help="where the fit starts each engine's cost per request (default: "
+                             + ",".join(f"{v * 1e3:g}" for v in PER_REQUEST_STARTS_S) + ")")
+    parser.add_argument("--by", choices=[*GROUPINGS, "both"], default="both",
+                        help="hold out each model family, each source, or both in turn "
+                             "(default: both)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     record: dict[str, Any] = {}
-    for by in GROUPINGS:
-        predictions, folds = cross_validate(rounds=args.rounds, by=by)
+    for by in GROUPINGS if args.by == "both" else [args.by]:
+        predictions, folds = cross_validate(rounds=args.rounds, by=by,
+                                            starts_s=args.per_request_starts_ms)
         table = summary(predictions)
         print(f"Out-of-fold absolute percentage error (leave one {by} out)")
         print(render([[e["engine"], e["band"], str(e["ttft"]["rows"]),
@@ -405,14 +427,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                               "rows": [vars(p) | {"ape": p.ape} for p in predictions]}
     if args.json:
         from bench.common import provenance, write_json
-        run = provenance("bench/model_cv.py" + (f" --rounds {args.rounds}"
-                                                if args.rounds != 5 else ""))
+        run = provenance("bench/model_cv.py")
         run.update({
             "method": "leave one model family out, and leave one source out; fit on the "
                       "other groups' steady rows from a fixed prior (the best of 3 starts of "
                       "each engine's cost per request); burst and closed-loop "
                       "rows predicted by the engine simulator",
-            "families": FAMILIES, "prior": NEUTRAL_START, **record,
+            "families": FAMILIES, "prior": NEUTRAL_START,
+            "per_request_starts_s": list(args.per_request_starts_ms), **record,
             "seconds": round(time.perf_counter() - started, 1),
         })
         write_json(args.json, run)
