@@ -101,7 +101,8 @@ def _rope_parameters(cfg: Mapping[str, Any], name: str) -> Iterator[dict[str, An
     if not isinstance(found, Mapping):
         raise ConfigError(f"{name}: config field {key!r} must be an object, got {found!r}")
     layer_types = cfg.get("layer_types")
-    declared = set(layer_types) & _LAYER_TYPES if isinstance(layer_types, list) else set()
+    declared = ({kind for kind in layer_types if isinstance(kind, str)} & _LAYER_TYPES
+                if isinstance(layer_types, list) else set())
     nested = set(found) <= declared
     for params in (found.values() if nested else [found]):
         if not params:
