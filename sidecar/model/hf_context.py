@@ -11,6 +11,10 @@
   Gemma 3, whose length is already scaled;
 - served by default at that length, or at `original_max_position_embeddings` for a
   LongRoPE model (Phi-3.5), which vLLM prefers for the speed of short sequences.
+
+Only the config file is read: a value that Transformers' config class fills in when
+the file leaves it out (a class's default length, Phi3Config's original length of
+4,096) is not known here.
 """
 
 from __future__ import annotations
