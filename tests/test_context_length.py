@@ -18,7 +18,6 @@ import pytest
 from sidecar.model import read_architecture
 from sidecar.model.errors import ConfigError
 from sidecar.model.hf_config import parse_config
-from sidecar.model.hf_context import context_length
 
 from support.env import vllm_python
 
@@ -143,12 +142,13 @@ def test_without_a_length_key_no_limit_is_checked() -> None:
     # vLLM then checks no --max-model-len; it serves the model class's default length,
     # which the config file does not say: its own fallback, 2048, is assumed.
     config = {k: v for k, v in TINY.items() if k != "max_position_embeddings"}
-    context = context_length(config, "llama", "tiny")
+    context = parse_config(config).context
     assert context.limit is None and context.default == 2048
 
 
 @pytest.mark.parametrize(("change", "named"), [
     ({"max_position_embeddings": "4k"}, "'max_position_embeddings'"),
+    ({"max_position_embeddings": -1}, "'max_position_embeddings'"),
     ({"rope_scaling": {"type": "linear", "factor": -2}}, "'factor'"),
     ({"rope_scaling": "linear"}, "'rope_scaling'"),
     ({"rope_parameters": ["linear"]}, "'rope_parameters'"),

@@ -29,6 +29,7 @@ from bench.model_cv import (
     NEUTRAL_START,
     Prediction,
     cross_validate,
+    main,
     median_ape,
     model_family,
     predict_closed,
@@ -255,3 +256,12 @@ def test_the_committed_constants_predict_finite_figures_for_every_steady_row() -
     for case in steady_cases():
         ttft, tpot = predict_steady(case)
         assert math.isfinite(ttft) and math.isfinite(tpot) and ttft > 0 and tpot > 0
+
+
+@pytest.mark.parametrize("bad", ["2,x", "0,10", ""])
+def test_model_cv_refuses_starts_that_are_not_positive_numbers(
+        bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--per-request-starts-ms", bad])
+    assert exit_info.value.code == 2
+    assert "--per-request-starts-ms" in capsys.readouterr().err

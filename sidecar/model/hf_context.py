@@ -19,7 +19,7 @@ the file leaves it out (a class's default length, Phi3Config's original length o
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from sidecar.model.architecture import ContextLength
@@ -46,9 +46,11 @@ _LAYER_TYPES = frozenset({
     "sparse", "dense"})
 
 
-def context_length(cfg: Mapping[str, Any], model_type: str, name: str) -> ContextLength:
-    """vLLM's limit and default context length for the text model's config `cfg`."""
-    lengths = {key: _length(cfg, key, name) for key in LENGTH_KEYS if cfg.get(key) is not None}
+def context_length(cfg: Mapping[str, Any], model_type: str, name: str,
+                   read_int: Callable[[str], int | None]) -> ContextLength:
+    """vLLM's limit and default context length for the text model's config `cfg`;
+    `read_int` reads one integer field (None when absent), with an error naming it."""
+    lengths = {key: value for key in LENGTH_KEYS if (value := read_int(key)) is not None}
     if not lengths:
         return ContextLength(limit=None, default=DEFAULT_LENGTH,
                              source="no length in the config (vLLM checks none)")
@@ -68,19 +70,12 @@ def context_length(cfg: Mapping[str, Any], model_type: str, name: str) -> Contex
     limit = int(derived)
     default = limit
     if any(params["rope_type"] == "longrope" for params in rope):
-        original = cfg.get("original_max_position_embeddings")
+        original = read_int("original_max_position_embeddings")
         if original is not None:
-            default = _length(cfg, "original_max_position_embeddings", name)
+            default = original
     if limit <= 0 or default <= 0:
         raise ConfigError(f"{name}: the config's context length ({source}) must be positive")
     return ContextLength(limit=limit, default=default, source=source)
-
-
-def _length(cfg: Mapping[str, Any], key: str, name: str) -> int:
-    value = cfg[key]
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
-        raise ConfigError(f"{name}: config field {key!r} must be an integer, got {value!r}")
-    return int(value)
 
 
 def _factor(value: object, name: str) -> float:
