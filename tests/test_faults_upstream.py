@@ -204,16 +204,19 @@ async def test_connection_refused_then_back(proxy: FaultProxy) -> None:
 
 async def test_vllm_killed_mid_stream_and_back_with_other_capacity_then_other_model() -> None:
     port = free_port()
+    # Streams long enough (~4,000 tokens, several seconds on a CPU) to be cut by the kill,
+    # however fast the machine runs them.
     server = VllmServer(vllm_python(), str(model_dir("tiny-llama")), "tiny-llama", port,
-                        max_model_len=1024, block_size=32, num_gpu_blocks_override=128)
+                        max_model_len=4096, block_size=32, num_gpu_blocks_override=512)
     server.start()
     qwen: VllmServer | None = None
     try:
+        # The fourth stream's predicted wait (the first three's ~4,000 tokens) is ~6 s.
         with Sidecar(server.url, "--metrics-interval-s", "0.5", "--queue-max-wait-s",
-                     "5") as gated:
+                     "20") as gated:
             pid = gated.proc.pid if gated.proc else None
-            assert gated.state()["admission"]["ledger"]["capacity_blocks"] == 127
-            # Three streams of 31 blocks run (93 of the 120 kvgate admits); a fourth waits.
+            assert gated.state()["admission"]["ledger"]["capacity_blocks"] == 511
+            # Three streams of 125 blocks run (375 of the 485 kvgate admits); a fourth waits.
             async with aiohttp.ClientSession() as session:
                 first_tokens = asyncio.Event()
                 counts = [0, 0, 0]
@@ -228,13 +231,14 @@ async def test_vllm_killed_mid_stream_and_back_with_other_capacity_then_other_mo
                 url = gated.url + "/v1/completions"
                 # Prompts of their own: a common prefix would be held once.
                 running = [asyncio.create_task(post_stream(
-                    session, url, completion(900, prompt=f"{i} {PROMPT}"),
+                    session, url, completion(3900, prompt=f"{i} {PROMPT}"),
                     on_event=counter(i))) for i in range(3)]
                 await asyncio.wait_for(first_tokens.wait(), 60)
                 queued = asyncio.create_task(post_stream(
-                    session, url, completion(900, prompt=f"3 {PROMPT}")))
+                    session, url, completion(3900, prompt=f"3 {PROMPT}")))
                 await until(lambda: gated.state()["admission"]["queue"]["length"] == 1, 10,
                             "the fourth request queued")
+                assert not any(task.done() for task in running), "a stream ended before the kill"
                 killed_at = time.monotonic()
                 server.kill()
                 results = await asyncio.wait_for(asyncio.gather(*running), 30)
