@@ -112,11 +112,14 @@ class FrontConnection(asyncio.Protocol):
         self._writable: asyncio.Future[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._reading_paused = False
+        self.loop: asyncio.AbstractEventLoop | None = None  # set when the connection opens
 
     # ---- asyncio's callbacks -------------------------------------------------------------
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        # Asked once per connection, not per request: each ask is a system call (getpid).
+        self.loop = asyncio.get_running_loop()
         self.door.connections.add(self)
         self._arm_idle()
 
@@ -137,7 +140,7 @@ class FrontConnection(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self._writable is None:
-            self._writable = asyncio.get_running_loop().create_future()
+            self._writable = self._loop().create_future()
 
     def resume_writing(self) -> None:
         self._wake()
@@ -188,7 +191,7 @@ class FrontConnection(asyncio.Protocol):
         self._disarm_idle()
         if head.close:
             self.keep_alive = False
-        self.task = asyncio.get_running_loop().create_task(self._serve(head, body))
+        self.task = self._loop().create_task(self._serve(head, body))
 
     async def _serve(self, head: Head, body: bytes) -> None:
         door = self.door
@@ -249,9 +252,12 @@ class FrontConnection(asyncio.Protocol):
 
     # ---- idle and paused -------------------------------------------------------------------
 
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        return self.loop if self.loop is not None else asyncio.get_running_loop()
+
     def _arm_idle(self) -> None:
         self._disarm_idle()
-        self._idle = asyncio.get_running_loop().call_later(self.door.idle_timeout_s, self.close)
+        self._idle = self._loop().call_later(self.door.idle_timeout_s, self.close)
 
     def _disarm_idle(self) -> None:
         if self._idle is not None:

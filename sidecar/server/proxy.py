@@ -244,7 +244,7 @@ async def forward(
     batch_at_start = services.controller.inflight if services.controller else 0
     record = _record(request)
     record.forwarding(ticket, stream=gen.stream if gen else None)
-    task = asyncio.current_task()
+    task = asyncio.current_task(services.loop)
     running = request.app[RUNNING]
     if task is not None:
         running.add(task)

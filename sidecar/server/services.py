@@ -149,6 +149,10 @@ class Services:
         self.model_problem: str | None = None
         self.client: Engine | None = None
         self.watcher: UpstreamWatcher | None = None
+        # The event loop serving requests, known once the upstream is attached. Passed to
+        # asyncio's helpers on the request path: without it each asks for the running
+        # loop, which costs a getpid system call (CPython's fork check) every time.
+        self.loop: asyncio.AbstractEventLoop | None = None
         self.draining = False
         self._refusals_logged: set[str] = set()
         self.active_requests = 0
@@ -279,8 +283,10 @@ class Services:
                 self.idle.set()
 
     def attach(self, client: Engine, watcher: UpstreamWatcher) -> None:
+        """Called in the event loop that will serve requests."""
         self.client = client
         self.watcher = watcher
+        self.loop = asyncio.get_running_loop()
 
     def admission_settings(self) -> AdmissionSettings:
         s = self.settings

@@ -101,7 +101,7 @@ class _Connection(asyncio.Protocol):
 
     def __init__(self, pool: Http1Pool) -> None:
         self._pool = pool
-        self._loop = asyncio.get_running_loop()
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle = False  # in the pool, between exchanges
@@ -305,9 +305,9 @@ class _Connection(asyncio.Protocol):
     # -- what the response reads ---------------------------------------------------------
     async def wait(self, timeout_s: float | None) -> None:
         """Until something changed (data, the end, an error), or the read timeout."""
-        waiter = self._loop.create_future()
+        waiter = self.loop.create_future()
         self._waiter = waiter
-        timer = (self._loop.call_later(timeout_s, self._timed_out, waiter, timeout_s)
+        timer = (self.loop.call_later(timeout_s, self._timed_out, waiter, timeout_s)
                  if timeout_s is not None else None)
         try:
             await waiter
@@ -439,7 +439,9 @@ class Http1Pool:
 
     # -- the pool ---------------------------------------------------------------------
     async def _acquire(self) -> tuple[_Connection, bool]:
-        fresh_after = asyncio.get_running_loop().time() - self.keepalive_s
+        # The loop's clock through a connection's loop: asking asyncio for the running
+        # loop costs a system call (getpid) on every request.
+        fresh_after = self._idle[-1].loop.time() - self.keepalive_s if self._idle else 0.0
         while self._idle:
             connection = self._idle.pop()  # the most recently used: least likely closed
             connection.idle = False
@@ -482,7 +484,7 @@ class Http1Pool:
         if connection.closed or not connection.keep_alive or self._closed:
             connection.close()
             return
-        loop = asyncio.get_running_loop()
+        loop = connection.loop
         connection.idle_since = loop.time()
         connection.idle = True
         self._idle.append(connection)
