@@ -86,9 +86,15 @@ def test_an_answer_head_is_framed_by_the_writer() -> None:
     chunked = encode_head(200, "OK", [("date", "then")], length=None, close=False).decode()
     assert "Transfer-Encoding: chunked" in chunked and "Date: " not in chunked
     assert "date: then" in chunked and "Connection" not in chunked
-    for bad in ("a\r\nX-Injected: 1", "a\nb"):
-        with pytest.raises(ValueError, match="CR or LF"):
-            encode_head(200, "OK", [("X-A", bad)], length=0, close=False)
+    for bad in ("a\r\nX-Injected: 1", "a\nb", "a\rb"):
+        with pytest.raises(ValueError, match="CR or LF in the response header 'X-B'"):
+            encode_head(200, "OK", [("X-A", "fine"), ("X-B", bad), ("X-C", "fine")],
+                        length=0, close=False)
+    with pytest.raises(ValueError, match="CR or LF"):
+        encode_head(200, "OK", [("X-\nA", "fine")], length=0, close=False)
+    empty = encode_head(204, "No Content", [], length=None, close=False).decode()
+    assert empty.startswith("HTTP/1.1 204 No Content\r\nDate: ")
+    assert empty.endswith("GMT\r\n\r\n") and "Transfer-Encoding" not in empty
 
 
 # ---- a front door on a socket --------------------------------------------------------------

@@ -313,8 +313,12 @@ async def test_idle_connections_expire(server: tuple[Script, Http1Pool]) -> None
 
 def test_header_injection_is_never_forwarded() -> None:
     pool = Http1Pool("http://127.0.0.1:8000", connect_timeout_s=1.0, keepalive_s=1.0)
-    data = pool._encode("POST", "/v1/x", [("X-A", "ok"), ("X-B", "a\r\nX-Evil: 1")], b"{}")
-    assert b"X-Evil" not in data and b"X-A: ok" in data
+    data = pool._encode("POST", "/v1/x", [("X-A", "ok"), ("X-B", "a\r\nX-Evil: 1"),
+                                          ("X-C", "a\rb"), ("X-\nD", "d"), ("X-E", "ok")], b"{}")
+    assert data == (b"POST /v1/x HTTP/1.1\r\nHost: 127.0.0.1:8000\r\nX-A: ok\r\nX-E: ok\r\n"
+                    b"Content-Length: 2\r\n\r\n{}")
+    assert pool._encode("GET", "/health", [], None) == (
+        b"GET /health HTTP/1.1\r\nHost: 127.0.0.1:8000\r\n\r\n")
 
 
 @pytest.mark.parametrize(("url", "expected"), [

@@ -140,18 +140,17 @@ def test_the_controller_places_each_request_on_one_engine() -> None:
 def test_the_proxy_pins_the_request_to_its_engine() -> None:
     from types import SimpleNamespace
 
-    from multidict import CIMultiDict
-
     from sidecar.server.proxy import _engine_pinned
 
     def services(engines: int) -> Any:
         return SimpleNamespace(controller=SimpleNamespace(ledger=Ledger(100, engines=engines)))
 
     ticket: Any = SimpleNamespace(reservation=SimpleNamespace(engine=1))
-    pinned = _engine_pinned(CIMultiDict(), services(2), ticket)
-    assert pinned["X-Data-Parallel-Rank"] == "1"
-    assert "x-data-parallel-rank" not in _engine_pinned(CIMultiDict(), services(1), ticket)
-    assert "x-data-parallel-rank" not in _engine_pinned(CIMultiDict(), services(2), None)
+    client = [("Content-Type", "application/json")]
+    assert _engine_pinned(list(client), services(2), ticket) == [
+        *client, ("x-data-parallel-rank", "1")]
+    assert _engine_pinned(list(client), services(1), ticket) == client
+    assert _engine_pinned(list(client), services(2), None) == client
 
 
 def test_what_kvgate_reserves_or_releases_counts_before_the_next_observation() -> None:

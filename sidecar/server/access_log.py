@@ -45,7 +45,6 @@ from typing import Literal, TypeVar
 
 from aiohttp import web
 from aiohttp.typedefs import Middleware
-from multidict import CIMultiDict
 
 from sidecar.admission import REJECTIONS, AdmissionRequest, Decision, Ticket
 
@@ -138,9 +137,9 @@ class RequestRecord:
         self.end: str | None = None
         self.status: int | None = None  # as sent to the client
 
-    def upstream_headers(self, headers: CIMultiDict[str]) -> CIMultiDict[str]:
-        """The headers for the server, carrying the id."""
-        headers[REQUEST_ID_HEADER] = self.id
+    def upstream_headers(self, headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+        """The headers for the server (with no id of their own), carrying the id."""
+        headers.append((REQUEST_ID_HEADER, self.id))
         return headers
 
     def upstream_failed(self, response: web.Response) -> web.Response:

@@ -130,25 +130,32 @@ def encode_head(status: int, reason: str | None, headers: Iterable[tuple[str, st
     for 204 and 304, which have no body), with a Date unless the headers have one.
     Header names and values with CR or LF are refused (ValueError), as aiohttp refuses
     them."""
-    lines = [f"HTTP/1.1 {status} {reason or ''}"]
+    lines: list[str] = []
     dated = False
     for name, value in headers:
         lowered = name.lower()
         if lowered in _FRAMING:
             continue
-        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-            raise ValueError(f"a CR or LF in the response header {name!r}")
-        dated = dated or lowered == "date"
+        if lowered == "date":
+            dated = True
         lines.append(f"{name}: {value}")
+    # One look for CR and LF over all the headers: only the separators may have them.
+    text = "\r\n".join(lines)
+    if lines and (text.count("\r") != len(lines) - 1 or text.count("\n") != len(lines) - 1):
+        bad = next(line for line in lines if "\r" in line or "\n" in line)
+        raise ValueError(f"a CR or LF in the response header {bad.partition(':')[0]!r}")
+    head = [f"HTTP/1.1 {status} {reason or ''}"]
     if not dated:
-        lines.append(f"Date: {_date.now()}")
+        head.append(f"Date: {_date.now()}")
     if status not in _NO_BODY:
-        lines.append("Transfer-Encoding: chunked" if length is None
-                     else f"Content-Length: {length}")
+        head.append("Transfer-Encoding: chunked" if length is None
+                    else f"Content-Length: {length}")
     if close:
-        lines.append("Connection: close")
-    lines.append("\r\n")
-    return "\r\n".join(lines).encode("utf-8", "surrogateescape")
+        head.append("Connection: close")
+    if lines:
+        head.append(text)  # the headers after the status line and framing: order is free
+    head.append("\r\n")
+    return "\r\n".join(head).encode("utf-8", "surrogateescape")
 
 
 def encode_answer(response: web.Response, entry: RequestRecord, *, close: bool) -> bytes:

@@ -21,7 +21,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 
 from sidecar.admission import AdmissionRequest, Rejected, Ticket
 from sidecar.server import access_log
@@ -62,6 +61,9 @@ FIGURES = ("x-kvgate-queue-ms", "x-kvgate-predicted-ttft-ms", "x-kvgate-kv-block
            "x-kvgate-prompt-tokens", "x-kvgate-kv-shared-blocks", "x-kvgate-cached-tokens",
            "x-kvgate-predicted-tpot-ms")
 _NOT_WITH_FIGURES = HOP_BY_HOP | frozenset(FIGURES)
+# The client's headers kvgate does not send on: hop-by-hop ones, its own steering, and
+# the request id (kvgate sends the id it logs, see RequestRecord.upstream_headers).
+_NOT_FORWARDED = HOP_BY_HOP | STEERING | frozenset({access_log.REQUEST_ID_HEADER.lower()})
 # Proxied requests running now, which the drain cuts off at its end (with DRAIN_CUT).
 RUNNING = web.AppKey("running", set[asyncio.Task[Any]])
 DRAIN_CUT = "kvgate: drain timeout"
@@ -72,12 +74,10 @@ BROKEN_EVENT = (b'{"error": {"message": "the model server failed mid-stream", '
                 b'"type": "api_error", "code": "upstream_failed", "param": null}}')
 
 
-def _forward_headers(headers: Mapping[str, str], drop: frozenset[str]) -> CIMultiDict[str]:
-    kept: CIMultiDict[str] = CIMultiDict()
-    for name, value in headers.items():
-        if name.lower() not in drop:
-            kept.add(name, value)
-    return kept
+def _forward_headers(headers: Mapping[str, str], drop: frozenset[str]
+                     ) -> list[tuple[str, str]]:
+    """The client's headers less those in `drop` (lower-case names), in their order."""
+    return [(name, value) for name, value in headers.items() if name.lower() not in drop]
 
 
 def _response_headers(upstream: ForwardResponse, ticket: Ticket | None
@@ -97,14 +97,14 @@ def _response_headers(upstream: ForwardResponse, ticket: Ticket | None
     return headers
 
 
-def _engine_pinned(headers: CIMultiDict[str], services: Services,
-                   ticket: Ticket | None) -> CIMultiDict[str]:
+def _engine_pinned(headers: list[tuple[str, str]], services: Services,
+                   ticket: Ticket | None) -> list[tuple[str, str]]:
     """With data parallelism, the request goes to the engine whose KV pool kvgate
     reserved it on (vLLM's `X-data-parallel-rank`), not where vLLM's balancer would
-    put it by load."""
+    put it by load. (A client's own is not forwarded: it is among STEERING.)"""
     controller = services.controller
     if ticket is not None and controller is not None and controller.ledger.engines > 1:
-        headers[DATA_PARALLEL_RANK] = str(ticket.reservation.engine)
+        headers.append((DATA_PARALLEL_RANK, str(ticket.reservation.engine)))
     return headers
 
 
@@ -255,8 +255,7 @@ async def forward(
                 request.rel_url.raw_path_qs,  # as the client encoded it
                 raw or None,
                 record.upstream_headers(_engine_pinned(
-                    _forward_headers(request.headers, HOP_BY_HOP | STEERING), services,
-                    ticket)).items(),
+                    _forward_headers(request.headers, _NOT_FORWARDED), services, ticket)),
                 services.settings.read_timeout_s,
             )
         except ForwardError as exc:

@@ -526,14 +526,16 @@ class Http1Pool:
     # -- one request ----------------------------------------------------------------------
     def _encode(self, method: str, path_qs: str, headers: Iterable[tuple[str, str]],
                 body: bytes | None) -> bytes:
-        lines = [f"{method} {self.origin.prefix}{path_qs} HTTP/1.1",
-                 f"Host: {self.origin.host_header}"]
-        for name, value in headers:
-            if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-                continue  # never forward a header that would split the request
-            if name.lower() in _OWN_HEADERS:
-                continue
-            lines.append(f"{name}: {value}")
+        lines = [f"{name}: {value}" for name, value in headers
+                 if name.lower() not in _OWN_HEADERS]
+        # One look for CR and LF over all the client's headers (only the separators may
+        # have them); a header that has one is never forwarded: it would split the request.
+        text = "\r\n".join(lines)
+        if lines and (text.count("\r") != len(lines) - 1
+                      or text.count("\n") != len(lines) - 1):
+            lines = [line for line in lines if "\r" not in line and "\n" not in line]
+        lines[:0] = (f"{method} {self.origin.prefix}{path_qs} HTTP/1.1",
+                     f"Host: {self.origin.host_header}")
         if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
             lines.append(f"Content-Length: {len(body) if body else 0}")
         # Header values as the client sent their bytes (aiohttp decodes them so).
