@@ -97,6 +97,62 @@ def test_an_answer_head_is_framed_by_the_writer() -> None:
     assert empty.endswith("GMT\r\n\r\n") and "Transfer-Encoding" not in empty
 
 
+class RecordingWire:
+    """A client connection that keeps each write apart."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self.keep_alive = True
+        self.writes: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    async def drain(self) -> None:
+        return None
+
+
+def test_a_stream_that_is_all_there_goes_out_in_one_write() -> None:
+    from sidecar.server.access_log import RequestRecord
+    from sidecar.server.lean import LeanStream
+
+    wire = RecordingWire()
+    events = b"data: one\n\ndata: [DONE]\n\n"
+    LeanStream(wire, RequestRecord("r1", "POST", "/v1/completions"), 200, "OK",
+               [("Content-Type", "text/event-stream")], None, events, end=True)
+    (only,) = wire.writes
+    head, _, body = only.partition(b"\r\n\r\n")
+    assert b"Transfer-Encoding: chunked" in head and b"X-Request-Id: r1" in head
+    assert body == b"%x\r\n%b\r\n0\r\n\r\n" % (len(events), events)
+
+
+def test_a_stream_writes_the_head_with_what_came_and_its_last_data_with_the_end() -> None:
+    from sidecar.server.access_log import RequestRecord
+    from sidecar.server.lean import LeanStream
+
+    async def scenario() -> None:
+        wire = RecordingWire()
+        stream = LeanStream(wire, RequestRecord("r2", "POST", "/v1/completions"), 200, "OK",
+                            [], None, b"data: a\n\n")
+        assert wire.writes[0].endswith(b"\r\n\r\n9\r\ndata: a\n\n\r\n")
+        await stream.write(b"data: b\n\n")
+        await stream.write_eof(b"data: [DONE]\n\n")
+        await stream.write_eof(b"ignored")  # ended: nothing more
+        assert wire.writes[1:] == [b"9\r\ndata: b\n\n\r\n",
+                                   b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"]
+        with pytest.raises(RuntimeError, match="ended"):
+            await stream.write(b"late")
+        sized = RecordingWire()
+        plain = LeanStream(sized, RequestRecord("r3", "POST", "/v1/completions"), 200, "OK",
+                           [], 6, b"abc")
+        await plain.write_eof(b"def")
+        head, _, body = sized.writes[0].partition(b"\r\n\r\n")
+        assert b"\r\nContent-Length: 6\r\n" in head and body == b"abc"
+        assert sized.writes[1:] == [b"def"]
+
+    asyncio.run(scenario())
+
+
 # ---- a front door on a socket --------------------------------------------------------------
 
 

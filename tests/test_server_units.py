@@ -281,3 +281,18 @@ def test_idle_upstream_connections_are_closed_before_the_server_closes_them() ->
             await runner.cleanup()
 
     asyncio.run(scenario())
+
+
+def test_only_kvgate_s_request_id_and_no_steering_go_upstream() -> None:
+    from multidict import CIMultiDict, CIMultiDictProxy
+
+    from sidecar.server.access_log import RequestRecord
+    from sidecar.server.proxy import _NOT_FORWARDED, _forward_headers
+
+    client = CIMultiDictProxy(CIMultiDict([
+        ("X-Request-Id", "the client's"), ("X-Data-Parallel-Rank", "3"),
+        ("X-Kvgate-Tenant", "team-a"), ("X-Kvgate-Priority", "1"), ("Accept", "a"),
+        ("accept", "b"), ("Connection", "keep-alive"), ("Content-Length", "2")]))
+    sent = RequestRecord("kv-1", "POST", "/v1/completions").upstream_headers(
+        _forward_headers(client, _NOT_FORWARDED))
+    assert sent == [("Accept", "a"), ("accept", "b"), ("X-Request-Id", "kv-1")]

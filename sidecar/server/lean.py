@@ -196,42 +196,52 @@ class LeanRequest:
         return self._body
 
     def start_stream(self, status: int, reason: str | None, headers: list[tuple[str, str]],
-                     length: int | None) -> LeanStream:
-        return LeanStream(self.wire, self.record, status, reason, headers, length)
+                     length: int | None, first: bytes = b"", *, end: bool = False
+                     ) -> LeanStream:
+        return LeanStream(self.wire, self.record, status, reason, headers, length, first,
+                          end=end)
 
 
 class LeanStream(web.StreamResponse):
     """A streamed answer on a lean connection: the head is written when it is made,
-    each `write` goes out as it comes (one chunk each, chunked encoding when there is
-    no length), `write_eof` ends it."""
+    with `first` (the body that came with it) and, with `end`, the end of the answer:
+    one write where the answer is all there. Then each `write` goes out as it comes
+    (one chunk each, chunked encoding when there is no length); `write_eof` ends it,
+    its last data and the end in one write."""
 
     def __init__(self, wire: Wire, entry: RequestRecord, status: int, reason: str | None,
-                 headers: list[tuple[str, str]], length: int | None) -> None:
+                 headers: list[tuple[str, str]], length: int | None, first: bytes = b"",
+                 *, end: bool = False) -> None:
         super().__init__(status=status, reason=reason, headers=headers)
         self._wire = wire
         self._chunked = length is None and status not in _NO_BODY
-        self._ended = False
+        self._ended = end
         stamp(entry, self)
         wire.send(encode_head(status, reason, self.headers.items(), length=length,
-                              close=not wire.keep_alive))
+                              close=not wire.keep_alive) + self._framed(first, end=end))
+
+    def _framed(self, data: bytes, *, end: bool) -> bytes:
+        """`data` as it goes on the wire, followed by the end of a chunked answer."""
+        if not self._chunked:
+            return data
+        chunk = b"%x\r\n%b\r\n" % (len(data), data) if data else b""
+        return chunk + b"0\r\n\r\n" if end else chunk
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
         if self._ended:
             raise RuntimeError("the answer has ended")
         if not data:
             return
-        data = bytes(data)
-        self._wire.send(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+        self._wire.send(self._framed(bytes(data), end=False))
         await self._wire.drain()
 
     async def write_eof(self, data: bytes = b"") -> None:
         if self._ended:
             return
-        if data:
-            await self.write(data)
         self._ended = True
-        if self._chunked:
-            self._wire.send(b"0\r\n\r\n")
+        last = self._framed(data, end=True)
+        if last:
+            self._wire.send(last)
 
     def force_close(self) -> None:
         super().force_close()

@@ -327,13 +327,29 @@ async def _relay_response(request: Incoming, upstream: ForwardResponse,
         _settle(services, upstream, relay)
         return response
     length = upstream.headers.get("Content-Length")
+    # The body that came with the head goes out with it; the last of it with the end of
+    # the answer: one write each where the server's answer was already there.
+    first = upstream.take_received()
+    if first:
+        relay.feed(first)
+        first = events.feed(first) if events is not None else first
+    whole = upstream.received_whole
+    if whole and events is not None:
+        first += events.flush()
     response = await _start_stream(request, upstream.status, upstream.reason, headers,
                                    int(length) if length is not None and not (gen and gen.stream)
-                                   else None)
+                                   else None, first, end=whole)
+    if whole:
+        _settle(services, upstream, relay)
+        return response
+    last = b""
     try:
         while chunk := await upstream.read_chunk():
             relay.feed(chunk)
             out = events.feed(chunk) if events is not None else chunk
+            if upstream.received_whole:
+                last = out  # the end of the body: written with the end of the answer
+                break
             if out:
                 await response.write(out)
     except aiohttp.ClientConnectionResetError:
@@ -365,24 +381,28 @@ async def _relay_response(request: Incoming, upstream: ForwardResponse,
             if request.transport is not None:
                 request.transport.close()  # what was written is still sent first
         return response
-    if events is not None and (rest := events.flush()):
-        await response.write(rest)
-    await response.write_eof()
+    if events is not None:
+        last += events.flush()
+    await response.write_eof(last)
     _settle(services, upstream, relay)
     return response
 
 
 async def _start_stream(request: Incoming, status: int, reason: str | None,
-                        headers: list[tuple[str, str]], length: int | None
-                        ) -> web.StreamResponse:
-    """A streamed answer, its head sent: chunk by chunk after it (under `length` when
-    the server gave one for a body that is not a stream)."""
+                        headers: list[tuple[str, str]], length: int | None, first: bytes,
+                        *, end: bool) -> web.StreamResponse:
+    """A streamed answer, its head sent with `first` (under `length` when the server gave
+    one for a body that is not a stream), and ended with `end`."""
     if isinstance(request, LeanRequest):
-        return request.start_stream(status, reason, headers, length)
+        return request.start_stream(status, reason, headers, length, first, end=end)
     response = web.StreamResponse(status=status, reason=reason, headers=headers)
     if length is not None:
         response.content_length = length
     await response.prepare(request)
+    if end:
+        await response.write_eof(first)
+    elif first:
+        await response.write(first)
     return response
 
 
