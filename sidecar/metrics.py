@@ -11,11 +11,19 @@ Extension / llm-d endpoint picker reads, filled with kvgate's predictive view.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from bisect import bisect_left
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import utils as prometheus_utils
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
 
 from sidecar.admission import FINAL_OUTCOMES, SHADOW_OUTCOMES, Decision
@@ -76,6 +84,69 @@ class StateView:
     others_blocks: int | None = None  # server use kvgate's requests do not explain
 
 
+class LoopBuckets:
+    """One labelled series of a `LoopHistogram`."""
+
+    __slots__ = ("_upper", "counts", "sum")
+
+    def __init__(self, upper: tuple[float, ...]) -> None:
+        self._upper = upper
+        self.counts = [0] * len(upper)  # per bucket, not cumulative
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        """One observation (NaN is ignored: it belongs in no bucket)."""
+        if math.isnan(value):
+            return
+        self.counts[bisect_left(self._upper, value)] += 1
+        self.sum += value
+
+
+class LoopHistogram(Collector):
+    """A Prometheus histogram for the request path: observed from the event loop's
+    thread only, and read by the scrape, which runs on the same thread. An observation
+    is a bisection and two additions, where prometheus_client's `Histogram` takes a lock
+    for the sum and walks the buckets, taking a lock again for the one it counts in.
+    Exposed as a histogram: `_bucket{le}` (cumulative), `_count`, `_sum`."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float],
+                 registry: CollectorRegistry, labelnames: Sequence[str] = ()) -> None:
+        bounds = sorted(float(b) for b in buckets)
+        if not bounds or any(not math.isfinite(b) for b in bounds) or len(set(bounds)) != len(
+                bounds):
+            raise ValueError(f"{name}: buckets must be distinct finite numbers, got {buckets}")
+        self.name = name
+        self.documentation = documentation
+        self.labelnames = tuple(labelnames)
+        self._upper = (*bounds, math.inf)
+        # `le` as prometheus_client writes it (1.0, 0.005, +Inf).
+        go_string = cast(Callable[[float], str], prometheus_utils.floatToGoString)
+        self._les = [go_string(b) for b in self._upper]
+        self._series: dict[tuple[str, ...], LoopBuckets] = {}
+        registry.register(self)
+
+    def labels(self, *values: str) -> LoopBuckets:
+        if len(values) != len(self.labelnames):
+            raise ValueError(f"{self.name}: labels {self.labelnames}, got {values}")
+        series = self._series.get(values)
+        if series is None:
+            series = self._series[values] = LoopBuckets(self._upper)
+        return series
+
+    def describe(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[Metric]:
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        for values, series in self._series.items():
+            cumulative, total = [], 0
+            for le, count in zip(self._les, series.counts, strict=True):
+                total += count
+                cumulative.append((le, float(total)))
+            family.add_metric(list(values), cumulative, series.sum)
+        yield family
+
+
 class SidecarMetrics:
     def __init__(
         self,
@@ -102,32 +173,32 @@ class SidecarMetrics:
             self.requests.labels(outcome.value)
         for outcome in SHADOW_OUTCOMES:
             self.shadow_decisions.labels(outcome.value)
-        self.queue_wait_seconds = Histogram(
+        self.queue_wait_seconds = LoopHistogram(
             "kvgate_queue_wait_seconds", "Time admitted requests waited in the queue.",
-            buckets=QUEUE_BUCKETS_S, registry=registry,
-        )
-        self.predicted_ttft = Histogram(
+            QUEUE_BUCKETS_S, registry,
+        ).labels()
+        self.predicted_ttft = LoopHistogram(
             "kvgate_predicted_ttft_seconds", "Predicted time to first token at admission.",
-            buckets=LATENCY_BUCKETS_S, registry=registry,
-        )
-        self.predicted_tpot = Histogram(
+            LATENCY_BUCKETS_S, registry,
+        ).labels()
+        self.predicted_tpot = LoopHistogram(
             "kvgate_predicted_tpot_seconds", "Predicted time per output token at admission.",
-            buckets=TPOT_BUCKETS_S, registry=registry,
-        )
-        self.observed_ttft = Histogram(
+            TPOT_BUCKETS_S, registry,
+        ).labels()
+        self.observed_ttft = LoopHistogram(
             "kvgate_observed_ttft_seconds",
             "Observed time to first token of streamed requests (from arrival at kvgate to "
             "the first streamed token).",
-            buckets=LATENCY_BUCKETS_S, registry=registry,
-        )
-        self.observed_tpot = Histogram(
+            LATENCY_BUCKETS_S, registry,
+        ).labels()
+        self.observed_tpot = LoopHistogram(
             "kvgate_observed_tpot_seconds",
             "Observed time per output token after the first, of streamed requests.",
-            buckets=TPOT_BUCKETS_S, registry=registry,
-        )
-        self.prediction_error = Histogram(
+            TPOT_BUCKETS_S, registry,
+        ).labels()
+        self.prediction_error = LoopHistogram(
             "kvgate_prediction_error_ratio", "Observed / predicted, per quantity.",
-            ["quantity"], buckets=RATIO_BUCKETS, registry=registry,
+            RATIO_BUCKETS, registry, ("quantity",),
         )
         self._prediction_errors = {q: self.prediction_error.labels(q) for q in QUANTITIES}
         self.p90_covered = Counter(
