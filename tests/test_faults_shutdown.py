@@ -34,7 +34,11 @@ async def test_sigterm_lets_streams_finish_and_refuses_new_work(
     small_kv_vllm: VllmServer,
 ) -> None:
     drain_s = 40
-    sidecar = Sidecar(small_kv_vllm.url, "--drain-timeout-s", str(drain_s),
+    # The tiny model generates 500 tokens in under a second here: the streams are paced
+    # (10 ms before each event) so that they are still running through the test's steps.
+    proxy = FaultProxy(small_kv_vllm.url).start()
+    proxy.set_faults(Fault(path="/v1/completions", chunk_delay_s=0.01))
+    sidecar = Sidecar(proxy.url, "--drain-timeout-s", str(drain_s),
                       "--queue-max-wait-s", "60").start()
     assert sidecar.proc is not None
     try:
@@ -71,6 +75,7 @@ async def test_sigterm_lets_streams_finish_and_refuses_new_work(
         stopped_s = time.monotonic() - signalled
     finally:
         sidecar.stop()
+        proxy.stop()
     for refused in (refused_queued, new):
         assert refused.status == 503, refused
         assert refused.body["error"]["code"] == "draining"
