@@ -908,7 +908,8 @@ class Bench:
                       if self.events_endpoint and policy != "kvgate_traffic" else ())
             argv = [sys.executable, "-m", "sidecar", "serve", "--upstream", upstream,
                     "--host", "127.0.0.1", "--port", str(port), "--mode", "enforce",
-                    *CPU_DEVICE, "--queue-max-wait-s", f"{self.ttft_target_s:.3f}",
+                    *CPU_DEVICE, "--no-async-scheduling",
+                    "--queue-max-wait-s", f"{self.ttft_target_s:.3f}",
                     "--log-level", "warning", *events, *VARIANTS.get(policy, ())]
             config = {"argv": ["kvgate", *argv[3:]]}
             ready = f"http://127.0.0.1:{port}/readyz"

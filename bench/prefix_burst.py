@@ -329,6 +329,7 @@ def start_kvgate(server_url: str, tmp: Path, name: str, extra: Sequence[str]) ->
     port = free_port()
     argv = [sys.executable, "-m", "sidecar", "serve", "--upstream", server_url, "--host",
             "127.0.0.1", "--port", str(port), "--mode", "enforce", *CPU_DEVICE,
+            "--no-async-scheduling",
             "--log-level", "warning", *extra]
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
     process = Process(name, argv, tmp / f"{name}.log", env=env, cwd=ROOT).start()

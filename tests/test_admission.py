@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 from sidecar.admission import (
     AdmissionController,
     AdmissionRequest,
+    CostModel,
     Decision,
     Mode,
     Outcome,
@@ -22,8 +24,9 @@ from sidecar.admission.forecast import Holding, holdings_peak, steps_until_room
 from sidecar.admission.queue import Entry
 from sidecar.admission.room import QueueWalk, RunningHoldings
 from sidecar.admission.wait_ratio import MIN_SAMPLES
+from sidecar.model import ServedModel
 
-from support.admission_fixtures import FakeClock, FakeClockLoop, controller
+from support.admission_fixtures import FakeClock, FakeClockLoop, controller, tiny_served
 
 
 class Recorder:
@@ -232,6 +235,28 @@ def test_deadline_rejects_when_predicted_ttft_exceeds_target() -> None:
         assert late.value.decision.details["predicted_ttft_s"] > 0.001  # type: ignore[operator]
     finally:
         loop.close()
+
+
+def test_a_request_admitted_beside_running_ones_waits_for_their_steps_first() -> None:
+    """The predicted TTFT counts the running requests' steps a request waits for before
+    vLLM schedules it (`ServedModel.pickup`: a step and a half with asynchronous
+    scheduling, half a step without); its prefill work (the load it adds) does not."""
+    costs = {}
+    for asynchronous in (True, False):
+        served = tiny_served(256)
+        served = ServedModel(served.arch, replace(served.deployment,
+                                                  async_scheduling=asynchronous), served.gpu)
+        model = CostModel(served)
+        costs[asynchronous] = (model, model.cost(400, 8, running=6, mean_context=600))
+    (busy, with_async), (_, without) = costs[True], costs[False]
+    step_s = busy.tpot_s(6, 600)
+    assert with_async.prefill_model_s - without.prefill_model_s == pytest.approx(step_s)
+    assert busy.pickup_s(6, 600) == pytest.approx(1.5 * step_s)
+    assert with_async.prefill_model_s == pytest.approx(
+        busy.prefill_s(400, 6, 600) + 1.5 * step_s)
+    assert with_async.prefill_work_s == pytest.approx(without.prefill_work_s)
+    alone = busy.cost(400, 8)
+    assert alone.prefill_model_s == pytest.approx(busy.prefill_s(400))
 
 
 def test_prompts_admitted_before_and_not_yet_prefilled_are_ahead_in_the_ttft() -> None:

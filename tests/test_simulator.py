@@ -105,6 +105,47 @@ def test_decodes_share_the_budget_with_a_chunked_prefill() -> None:
     assert result.steps == 50
 
 
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_a_request_arriving_while_others_decode_waits_for_their_steps(
+        asynchronous: bool) -> None:
+    """vLLM takes new requests in when it schedules a step. Without asynchronous
+    scheduling that is when the step in flight ends: a request arriving at a random
+    moment waits half a step on average. With it (two batches in flight) the next step
+    was scheduled when the one in flight started: the request waits for that one too,
+    a step and a half on average and never less than one. The closed form's TTFT
+    (`ServedModel.ttft`) counts the same wait."""
+    model = replace_deployment(served(), async_scheduling=asynchronous)
+    roofline = model.roofline
+    assert roofline is not None
+    others = [SimRequest(0.0, 200, 400) for _ in range(8)]
+    step_s = roofline.step((), (300,) * 8).seconds
+    waits = []
+    for k in range(60):  # arrivals spread evenly over three steps of the others' decode
+        arrival_s = 0.05 + k * 3 * step_s / 60
+        record = run(model, [*others, SimRequest(arrival_s, 64, 4)],
+                     async_scheduling=asynchronous).records[-1]
+        context = 200 + round(arrival_s / step_s)
+        prefill = model.prefill(64, (context,) * 8)
+        assert prefill is not None
+        waits.append((record.ttft_s - prefill.seconds) / step_s)
+    mean_wait = sum(waits) / len(waits)
+    assert model.pickup_steps == (1.5 if asynchronous else 0.5)
+    assert mean_wait == pytest.approx(model.pickup_steps, abs=0.05)
+    assert min(waits) >= (0.98 if asynchronous else -0.01)
+    assert max(waits) <= model.pickup_steps + 0.52
+    # The closed form: the prefill after the others' steps it waits for.
+    ttft, prefill = model.ttft(64, (300,) * 8), model.prefill(64, (300,) * 8)
+    assert ttft is not None and prefill is not None
+    assert ttft.seconds == pytest.approx(prefill.seconds + model.pickup_steps * step_s)
+    alone, prefill_alone = model.ttft(64), model.prefill(64)
+    assert alone is not None and prefill_alone is not None
+    assert alone.seconds == prefill_alone.seconds  # nothing runs: nothing to wait for
+
+
+def replace_deployment(model: ServedModel, **changes: Any) -> ServedModel:
+    return ServedModel(model.arch, replace(model.deployment, **changes), model.gpu)
+
+
 def test_a_host_that_shares_the_device_lengthens_the_step_a_request_starts_in() -> None:
     """vLLM's CPU build (`host_shares_device`): the API server's work per request runs
     on the engine's cores. Alone, a request's times are the same as with the work as a

@@ -116,6 +116,7 @@ class CostModel:
         self.lifecycle = served.lifecycle
         self._prefill = lru_cache(maxsize=16_384)(self._prefill_uncached)
         self._tpot = lru_cache(maxsize=16_384)(self._tpot_uncached)
+        self._pickup = lru_cache(maxsize=16_384)(self._pickup_uncached)
         self._flops_per_token = 2.0 * served.arch.params_active()
         # Read on every decision: the served model's, looked up once.
         self.max_model_len: int = served.max_model_len
@@ -168,8 +169,7 @@ class CostModel:
                              running + sequences, mean_context or total, slowdown,
                              max(0, ahead_tokens))
         prefill, tpot = self._model_s(inputs)
-        own_prefill = prefill if not inputs.ahead_tokens else self.prefill_s(
-            prompt_tokens - cached, running, mean_context, cached)
+        own_prefill = self.prefill_s(prompt_tokens - cached, running, mean_context, cached)
         peak = self.peak_blocks(prompt_tokens, output_tokens, sequences)
         worst_output = max(output_tokens, self.max_model_len - prompt_tokens)
         shared = min(shared_blocks, peak)
@@ -205,8 +205,11 @@ class CostModel:
         return (prefill if quantity == "ttft" else tpot) * inputs.slowdown
 
     def _model_s(self, inputs: ModelInputs) -> tuple[float, float]:
-        return (self.prefill_s(inputs.prefilled_tokens + inputs.ahead_tokens, inputs.running,
-                               inputs.mean_context, inputs.cached_tokens),
+        """The TTFT from the server's taking the request in (the running requests' steps
+        it waits for, the prompts ahead, its own prefill) and the TPOT."""
+        return (self.pickup_s(inputs.running, inputs.mean_context)
+                + self.prefill_s(inputs.prefilled_tokens + inputs.ahead_tokens,
+                                 inputs.running, inputs.mean_context, inputs.cached_tokens),
                 self.tpot_s(inputs.batch, inputs.context_tokens))
 
     def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int) -> int:
@@ -241,12 +244,23 @@ class CostModel:
         cached = (cached_tokens // _CONTEXT_BUCKET) * _CONTEXT_BUCKET
         return self._prefill(prompt, running, context, cached) * prompt_tokens / prompt
 
+    def pickup_s(self, running: int, mean_context: int) -> float:
+        """What a request waits for the running requests' steps before its prefill
+        (`ServedModel.pickup`)."""
+        if running <= 0:
+            return 0.0
+        return self._pickup(running, max(1, (mean_context // _CONTEXT_BUCKET) * _CONTEXT_BUCKET))
+
     def tpot_s(self, batch: int, mean_context: int) -> float:
         context = max(1, (mean_context // _CONTEXT_BUCKET) * _CONTEXT_BUCKET)
         return self._tpot(max(1, batch), context)
 
     def _prefill_uncached(self, prompt: int, running: int, context: int, cached: int) -> float:
-        phase = self.served.ttft(prompt, (max(1, context),) * running, cached)
+        phase = self.served.prefill(prompt, (max(1, context),) * running, cached)
+        return 0.0 if phase is None else phase.seconds
+
+    def _pickup_uncached(self, running: int, context: int) -> float:
+        phase = self.served.pickup((context,) * running)
         return 0.0 if phase is None else phase.seconds
 
     def _tpot_uncached(self, batch: int, context: int) -> float:

@@ -141,6 +141,9 @@ class Calibrator:
                 chunk = max(1, served.max_num_batched_tokens - batch)
                 steps = float(-(-tokens // chunk))
                 sequences, request = steps * (batch + 1), 1.0
+                if batch:  # the others' steps it waits for first (`ServedModel.ttft`)
+                    steps += served.pickup_steps
+                    sequences += served.pickup_steps * batch
             if phase is None:
                 return None
             others = max(0.0, phase.seconds - phase.compute_s - phase.memory_s)

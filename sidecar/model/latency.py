@@ -337,6 +337,11 @@ class PhaseCost:
     def bound(self) -> Bound:
         return "compute" if self.compute_s >= self.memory_s else "memory"
 
+    def times(self, factor: float) -> PhaseCost:
+        """`factor` x this phase (e.g. half a step)."""
+        return PhaseCost(factor * self.seconds, factor * self.compute_s,
+                         factor * self.memory_s)
+
     @staticmethod
     def of(steps: Sequence[StepCost], fixed_s: float = 0.0) -> PhaseCost:
         """The steps' total, plus `fixed_s` spent outside them (per-request work)."""

@@ -60,6 +60,7 @@ def steady_latency(
     """Latency of one request while `concurrency` requests (itself included) run.
 
     The others are taken halfway through their output: context = prompt + output/2.
+    TTFT: the others' steps it waits for first, then its prefill (`ServedModel.ttft`);
     E2E = TTFT + output x TPOT. `cached_tokens` of the prompt are prefix-cache hits.
     """
     if served.roofline is None:

@@ -402,14 +402,48 @@ class ServedModel:
         running_contexts: tuple[int, ...] = (),
         cached_tokens: int = 0,
     ) -> PhaseCost | None:
-        """Prefill of one prompt (after `cached_tokens` of prefix-cache hits) while
-        `running_contexts` decode alongside."""
+        """Time to first token of one prompt from its arrival at the engine: the running
+        requests' steps it waits for (`pickup`), then its prefill."""
+        prefill = self.prefill(prompt_tokens, running_contexts, cached_tokens)
+        pickup = self.pickup(running_contexts)
+        if prefill is None or pickup is None:
+            return None
+        return PhaseCost(pickup.seconds + prefill.seconds, pickup.compute_s + prefill.compute_s,
+                         pickup.memory_s + prefill.memory_s)
+
+    def prefill(
+        self,
+        prompt_tokens: int,
+        running_contexts: tuple[int, ...] = (),
+        cached_tokens: int = 0,
+    ) -> PhaseCost | None:
+        """The steps that prefill one prompt (after `cached_tokens` of prefix-cache hits)
+        while `running_contexts` decode alongside."""
         roofline = self.roofline
         if roofline is None:
             return None
         return roofline.prefill(
             prompt_tokens, running_contexts, self.max_num_batched_tokens, cached_tokens
         )
+
+    def pickup(self, running_contexts: tuple[int, ...]) -> PhaseCost | None:
+        """What a request arriving while `running_contexts` decode waits before vLLM
+        schedules its first chunk: `pickup_steps` of their steps (none when nothing runs)."""
+        roofline = self.roofline
+        if roofline is None:
+            return None
+        if not running_contexts:
+            return PhaseCost(0.0, 0.0, 0.0)
+        return roofline.decode(running_contexts).times(self.pickup_steps)
+
+    @property
+    def pickup_steps(self) -> float:
+        """Steps of the running requests a new request waits before vLLM schedules its
+        first chunk: the rest of the step in flight (half of one, on average, for an
+        arrival at a random moment), and with asynchronous scheduling the step already
+        scheduled behind it (vLLM schedules the next step while one runs, and takes new
+        requests in when it schedules)."""
+        return 1.5 if self.deployment.async_scheduling else 0.5
 
     def tpot(self, contexts: tuple[int, ...]) -> PhaseCost | None:
         roofline = self.roofline

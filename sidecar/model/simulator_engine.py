@@ -252,6 +252,10 @@ class Engine:
         self.gate_cap = int(self.usable * gate.target_ratio) if gate else 0
         # time and queues
         self.now = 0.0
+        # With asynchronous scheduling, when the step in flight started (None: the engine
+        # was idle): vLLM scheduled the next step then, so requests arriving since wait
+        # for the one after it (`_arrive`).
+        self.step_started: float | None = None
         self.arrivals: list[tuple[float, int, SimRequest]] = []
         self.arrival_seq = 0
         self.gate_queue: deque[_Req] = deque()
@@ -304,6 +308,10 @@ class Engine:
                 for req in self.releasing:  # the engine is idle: outputs are processed
                     self._release(req)
                 self.releasing.clear()
+                self.step_started = None
+                self._arrive()
+                if self.fcfs or self.prio:
+                    continue
                 if not self.arrivals:
                     break
                 self.now = max(self.now, self.arrivals[0][0])
@@ -323,8 +331,13 @@ class Engine:
         self.arrival_seq += 1
 
     def _arrive(self) -> None:
+        """Requests that arrived by the time the next step is scheduled: now, or with
+        asynchronous scheduling and the engine busy, when the step in flight started
+        (vLLM takes new requests in when it schedules, and it scheduled the next step
+        then)."""
         arrivals = self.arrivals
-        while arrivals and arrivals[0][0] <= self.now:
+        cutoff = self.now if self.step_started is None else self.step_started
+        while arrivals and arrivals[0][0] <= cutoff:
             _, seq, spec = heapq.heappop(arrivals)
             rec = RequestRecord(spec)
             self.records.append(rec)
@@ -462,6 +475,8 @@ class Engine:
         seconds = self._price(prefill_tokens, prefill_context, len(chunks), n_dec,
                               mean_context) + self.host_due_s
         self.host_due_s = 0.0
+        if self.async_scheduling:
+            self.step_started = self.now
         self.now += seconds
         self.busy += seconds
         self.kv_area += self.held * seconds

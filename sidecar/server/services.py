@@ -404,6 +404,7 @@ class Services:
             data_parallel_size=self.settings.data_parallel_size,
             speculative_method=self.settings.speculative_method,
             attention_backend=self.settings.attention_backend,
+            async_scheduling=self.settings.async_scheduling,
         )
         try:
             served = ServedModel(arch, deployment, self.gpu or GENERIC_DEVICE)

@@ -120,6 +120,11 @@ class ServeSettings(BaseModel):
         "auto", description="whether the server shares prompt blocks between requests with a "
         "common prefix (vLLM's --enable-prefix-caching); auto: as its cache_config_info says, "
         "on when it does not say (vLLM's default)")
+    async_scheduling: bool = Field(
+        True, description="whether the server schedules each step while the last one runs "
+        "(vLLM's default on GPUs; off with its --no-async-scheduling and in its CPU build): "
+        "a request arriving while others run waits for the step in flight and the one "
+        "scheduled behind it (1.5 steps on average) before its prefill, without for half a step")
     tokenizer: str | None = Field(
         None, description="the served model's tokenizer files (a directory with "
         "tokenizer.json, tokenizer_config.json and the chat template): prompts are counted "

@@ -18,6 +18,9 @@ from support.env import PYTHON, free_port
 
 # The CPU these tests run on, as kvgate's custom device figures (calibration refines them).
 CPU_DEVICE = ("--gpu-memory-gib", "24", "--gpu-bandwidth-gbps", "20", "--gpu-tflops", "0.5")
+# The server these tests run: vLLM's CPU build, which schedules without asynchronous
+# scheduling.
+CPU_SERVER = ("--no-async-scheduling",)
 # Every sidecar a test made, for the access-log check (`support.access`).
 SIDECARS: list[Sidecar] = []
 
@@ -31,7 +34,7 @@ class Sidecar:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [PYTHON, "-m", "sidecar", "serve", "--upstream", upstream, "--host",
-                     "127.0.0.1", "--port", str(self.port), *device, *args]
+                     "127.0.0.1", "--port", str(self.port), *device, *CPU_SERVER, *args]
         self.env = {**os.environ, **(env or {})}
         self.log = tempfile.NamedTemporaryFile(prefix="kvgate-", suffix=".log", delete=False)
         # The access log in a file of its own, unless the test says where it goes.
