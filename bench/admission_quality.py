@@ -453,6 +453,8 @@ class Outcome:
     queue_ms: float | None = None
     cached_tokens: float | None = None  # predicted prefix hits (x-kvgate-cached-tokens)
     shared_blocks: float | None = None  # x-kvgate-kv-shared-blocks
+    # The server's own prefix hits for it (its usage's prompt_tokens_details, agentic)
+    server_cached_tokens: int | None = None
     # A kvgate refusal's figures (its error body's "kvgate" object: headroom, predicted
     # prefill and TTFT, ...), for --dump-requests.
     kvgate_details: dict[str, Any] | None = None
@@ -534,6 +536,9 @@ async def send(session: aiohttp.ClientSession, url: str, item: Item, ttft_target
                 usage = data.get("usage")
                 if usage:
                     outcome.output_tokens = int(usage.get("completion_tokens", 0))
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        outcome.server_cached_tokens = int(details["cached_tokens"])
     except (aiohttp.ClientError, TimeoutError, json.JSONDecodeError) as exc:
         outcome.error = exc.__class__.__name__
     end = time.perf_counter()
@@ -787,11 +792,27 @@ def later_turns(served: Sequence[Outcome]) -> dict[str, Any]:
     for o in served:
         if o.turn == 1 and o.cached_tokens is not None:
             first_cached[o.tenant] = max(first_cached.get(o.tenant, 0.0), o.cached_tokens)
-    history = prediction_accuracy([
-        o for o in later if o.cached_tokens is not None
-        and o.cached_tokens > first_cached.get(o.tenant, 0.0)])
+    with_history = [o for o in later if o.cached_tokens is not None
+                    and o.cached_tokens > first_cached.get(o.tenant, 0.0)]
+    history = prediction_accuracy(with_history)
     if history:
         result["kvgate_predictions_cached_history"] = history["kvgate_predictions"]
+    # Against the server's own hits: those it served from cache as predicted, and those
+    # whose predicted hits it did not find (evicted, or not yet registered, by then).
+    told = [o for o in with_history if o.server_cached_tokens is not None]
+    if told:
+        found = [o for o in told if o.server_cached_tokens >= (o.cached_tokens or 0)]
+        missed = [o for o in told if o.server_cached_tokens < (o.cached_tokens or 0)]
+        result["cached_history_vs_server"] = {
+            "requests": len(told),
+            "server_over_predicted_hits": {
+                q: rounded(percentile([o.server_cached_tokens / o.cached_tokens
+                                       for o in told if o.cached_tokens], p), 2)
+                for q, p in (("p10", 10), ("p50", 50), ("p90", 90))},
+            "found_as_predicted": prediction_accuracy(found).get("kvgate_predictions"),
+            "found_fewer": prediction_accuracy(missed).get("kvgate_predictions"),
+            "found_fewer_count": len(missed),
+        }
     return result
 
 
@@ -1153,7 +1174,8 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         events_endpoint = f"ipc://{tmp / 'kv-events.sock'}" if agentic else None
         extra_args = ["--kv-events-config", json.dumps({
             "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events_endpoint,
-            "topic": "kv"})] if agentic else ["--no-enable-prefix-caching"]
+            "topic": "kv"}), "--enable-prompt-tokens-details"] if agentic \
+            else ["--no-enable-prefix-caching"]
         server: VllmServer = VllmServer(
             python, str(model), MODEL, free_port(), max_model_len=args.max_model_len,
             block_size=args.block_size, num_gpu_blocks_override=args.num_blocks,
@@ -1330,12 +1352,25 @@ def print_report(report: dict[str, Any]) -> None:
                            ("kvgate_predictions_cached_history",
                             "later turns with cached history")):
             if key in r:
-                ratio = r[key]["ttft_observed_over_predicted"]
-                ape = r[key].get("ttft_ape")
-                print(f"{policy}: TTFT observed / predicted ({label}): p10 {ratio['p10']}, "
-                      f"p50 {ratio['p50']}, p90 {ratio['p90']}"
-                      + (f"; APE p50 {ape['p50']}, p90 {ape['p90']} ({ape['count']})"
-                         if ape else ""))
+                _print_ttft_ratio(policy, label, r[key])
+        versus = r.get("cached_history_vs_server")
+        if versus:
+            hits = versus["server_over_predicted_hits"]
+            print(f"{policy}: the server's prefix hits / kvgate's, later turns with cached "
+                  f"history ({versus['requests']}): p10 {hits['p10']}, p50 {hits['p50']}, "
+                  f"p90 {hits['p90']}; {versus['found_fewer_count']} found fewer")
+            for key, label in (("found_as_predicted", "hits as predicted"),
+                               ("found_fewer", "fewer hits than predicted")):
+                if versus.get(key):
+                    _print_ttft_ratio(policy, label, versus[key])
+
+
+def _print_ttft_ratio(policy: str, label: str, predictions: dict[str, Any]) -> None:
+    ratio = predictions["ttft_observed_over_predicted"]
+    ape = predictions.get("ttft_ape")
+    print(f"{policy}: TTFT observed / predicted ({label}): p10 {ratio['p10']}, "
+          f"p50 {ratio['p50']}, p90 {ratio['p90']}"
+          + (f"; APE p50 {ape['p50']}, p90 {ape['p90']} ({ape['count']})" if ape else ""))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

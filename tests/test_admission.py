@@ -257,6 +257,9 @@ def test_a_request_admitted_beside_running_ones_waits_for_their_steps_first() ->
     assert with_async.prefill_work_s == pytest.approx(without.prefill_work_s)
     alone = busy.cost(400, 8)
     assert alone.prefill_model_s == pytest.approx(busy.prefill_s(400))
+    # With prompts ahead of it, the steps it waits for are theirs: no wait on top.
+    behind = busy.cost(400, 8, running=6, mean_context=600, ahead_tokens=300)
+    assert behind.prefill_model_s == pytest.approx(busy.prefill_s(700, 6, 600))
 
 
 def test_prompts_admitted_before_and_not_yet_prefilled_are_ahead_in_the_ttft() -> None:

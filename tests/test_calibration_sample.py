@@ -84,3 +84,36 @@ async def test_a_busy_server_calibrates_on_a_sample_and_its_metrics_count_all() 
     taken, left_out = calibrator.sample.taken, calibrator.sample.left_out
     assert taken + left_out == completed
     assert calibrator._own_since_scrape == 2 * taken + left_out
+
+
+async def test_a_request_is_learned_beside_the_others_it_ran_with_not_itself(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The proxy's running count at sending includes the request itself; the prefill
+    the calibration learns is priced with the others only, as admission priced it (one
+    alone waits for no step), and with the wait for their steps unless prompts were
+    ahead of it."""
+    clock = FakeClock()
+    services = Services(ServeSettings(upstream="http://127.0.0.1:9"), CollectorRegistry(),
+                        arch=None, gpu=None, version="test")
+    services.clock = clock
+    services.controller = controller(clock=clock)
+    services.served = tiny_served()
+    assert services.calibrator is not None
+    seen: list[tuple[int, bool]] = []
+    monkeypatch.setattr(services.calibrator, "observe_prefill",
+                        lambda served, tokens, running, *a, waited=True, **k:
+                        seen.append((running, waited)))
+    first = await services.controller.admit(AdmissionRequest(100, 8))
+    assert first.cost.model_inputs is not None and first.cost.model_inputs.running == 0
+    second = await services.controller.admit(AdmissionRequest(100, 8))
+    assert second.cost.model_inputs is not None and second.cost.model_inputs.running == 1
+    for ticket, batch_at_start in ((first, 1), (second, 2)):  # as the proxy counts them
+        started = clock()
+        ticket.finish(8)
+        services.observe_completion(
+            ticket, streamed=True, arrived_at=started, sent_at=started,
+            first_token_at=started + 0.05, ended_at=started + 0.1,
+            output_tokens=8, batch_at_start=batch_at_start)
+    ahead = second.cost.model_inputs.ahead_tokens
+    assert ahead == 100  # the first one's prompt, admitted and not yet prefilled
+    assert seen == [(0, True), (1, False)]

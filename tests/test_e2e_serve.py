@@ -190,6 +190,12 @@ def test_the_plan_route_answers_under_load_from_the_engine_simulator(sidecar: Si
     assert plan["latency_source"] == "simulator"
     assert plan["recommendation"]["source"] == "simulator"
     assert plan["recommendation"]["max_num_seqs"] >= 1
+    assert plan["closed_form"]["ttft_s"] > 0
     # Eight clients wait for each other: the simulated TTFT is above one request's alone.
-    assert plan["ttft_s"] > plan["closed_form"]["ttft_s"] > 0
+    status, body = sidecar.get("/kvgate/v1/plan?prompt_tokens=256&output_tokens=32"
+                               "&concurrency=1", timeout=60)
+    assert status == 200, body
+    alone = json.loads(body)
+    assert alone["latency_source"] == "simulator"
+    assert plan["ttft_s"] > alone["ttft_s"] > 0
     assert plan["throughput_requests_per_s"] > 0

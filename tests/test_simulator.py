@@ -142,6 +142,26 @@ def test_a_request_arriving_while_others_decode_waits_for_their_steps(
     assert alone.seconds == prefill_alone.seconds  # nothing runs: nothing to wait for
 
 
+def test_a_request_the_gate_sends_on_while_others_run_waits_as_an_arrival_does() -> None:
+    """kvgate's gate sends a queued request on when a reservation is released; vLLM
+    takes it in as it takes any arrival: with asynchronous scheduling after the step
+    already scheduled, without at the next step."""
+    waits = {}
+    for asynchronous in (False, True):
+        model = replace_deployment(served(blocks=40), async_scheduling=asynchronous)
+        # 7 + 16 blocks fit the gate's 37, a second long one does not: C waits for A.
+        requests = [SimRequest(0.0, 100, 10), SimRequest(0.0, 100, 150),
+                    SimRequest(0.0, 100, 150)]
+        result = simulate(model, Trace(requests), exact(model), KvgateGate(0.95))
+        _, b, c = result.records
+        assert c.admitted_s > 0.0 and b.finish_s > c.admitted_s + c.ttft_s
+        waits[asynchronous] = c.ttft_s - c.admitted_s  # its arrival was at 0
+    roofline = served().roofline
+    assert roofline is not None
+    b_step_s = roofline.step((), (210,)).seconds  # B decoding alone, about 10 tokens in
+    assert waits[True] - waits[False] == pytest.approx(b_step_s, rel=0.05)
+
+
 def replace_deployment(model: ServedModel, **changes: Any) -> ServedModel:
     return ServedModel(model.arch, replace(model.deployment, **changes), model.gpu)
 
@@ -741,3 +761,14 @@ def test_kv_samples_keep_at_most_the_asked_number_with_both_ends() -> None:
         assert set(kept) <= set(full.kv_samples)
         if points > 1:
             assert kept[0] == full.kv_samples[0]
+
+
+def test_an_ngram_drafter_turns_asynchronous_scheduling_off() -> None:
+    """vLLM 0.32 turns asynchronous scheduling off with an n-gram drafter: the wait
+    before a prefill and the simulator's engine follow."""
+    ngram = replace_deployment(served(), num_speculative_tokens=3)
+    assert ngram.deployment.async_scheduling and not ngram.deployment.schedules_async
+    assert ngram.pickup_steps == 0.5
+    assert not EngineConfig.of(ngram).async_scheduling
+    assert Deployment(num_speculative_tokens=1, speculative_method="mtp").schedules_async
+    assert not Deployment(async_scheduling=False).schedules_async

@@ -199,17 +199,21 @@ class CostModel:
         )
 
     def model_s(self, quantity: str, inputs: ModelInputs) -> float:
-        """This model's own (p50 before the spread) TTFT ("ttft": the prefill) or TPOT
-        ("tpot") of a request priced from `inputs`, the others' load included."""
+        """This model's own (p50 before the spread) TTFT ("ttft": the wait for the
+        running requests' steps and the prefill) or TPOT ("tpot") of a request priced
+        from `inputs`, the others' load included."""
         prefill, tpot = self._model_s(inputs)
         return (prefill if quantity == "ttft" else tpot) * inputs.slowdown
 
     def _model_s(self, inputs: ModelInputs) -> tuple[float, float]:
         """The TTFT from the server's taking the request in (the running requests' steps
-        it waits for, the prompts ahead, its own prefill) and the TPOT."""
-        return (self.pickup_s(inputs.running, inputs.mean_context)
-                + self.prefill_s(inputs.prefilled_tokens + inputs.ahead_tokens,
-                                 inputs.running, inputs.mean_context, inputs.cached_tokens),
+        it waits for, the prompts ahead, its own prefill) and the TPOT. With prompts
+        ahead, the steps it waits for are theirs, in their prefill already."""
+        wait_s = 0.0 if inputs.ahead_tokens else self.pickup_s(inputs.running,
+                                                                inputs.mean_context)
+        return (wait_s + self.prefill_s(inputs.prefilled_tokens + inputs.ahead_tokens,
+                                        inputs.running, inputs.mean_context,
+                                        inputs.cached_tokens),
                 self.tpot_s(inputs.batch, inputs.context_tokens))
 
     def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int) -> int:

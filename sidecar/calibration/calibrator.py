@@ -81,7 +81,7 @@ class Calibrator:
         self._fitted = False
         self._served: ServedModel | None = None
         self._ideal: ServedModel | None = None
-        self._features: dict[tuple[str, int, int, int], tuple[list[float], float]] = {}
+        self._features: dict[tuple[str, int, int, int, float], tuple[list[float], float]] = {}
         self._since_save = 0
         self._own_since_scrape = 0  # the sidecar's own observations since the last scrape
         self._counts = {"decode": 0, "prefill": 0}  # usable observations since the start
@@ -122,12 +122,14 @@ class Calibrator:
                 efficiency.per_step_s + efficiency.per_layer_s * served.arch.num_layers,
                 efficiency.per_sequence_s, efficiency.per_request_s]
 
-    def _phase(self, kind: str, tokens: int, batch: int,
-               context: int) -> tuple[list[float], float] | None:
-        """The features of one observation, and the all-reduce time to add to them."""
+    def _phase(self, kind: str, tokens: int, batch: int, context: int,
+               wait_steps: float = 0.0) -> tuple[list[float], float] | None:
+        """The features of one observation, and the all-reduce time to add to them. A
+        prefill's `wait_steps` are the running requests' steps it waited for first
+        (`ServedModel.pickup`)."""
         assert self._ideal is not None
         context = max(1, (context // _CONTEXT_BUCKET) * _CONTEXT_BUCKET)
-        cache_key = (kind, tokens, batch, context)
+        cache_key = (kind, tokens, batch, context, wait_steps)
         found = self._features.get(cache_key)
         if found is None:
             served = self._ideal
@@ -137,13 +139,16 @@ class Calibrator:
                 steps, sequences, request = 1.0, float(batch), 0.0
             else:
                 tokens, batch = max(1, tokens), max(0, batch)
-                phase = served.ttft(tokens, (context,) * batch)
+                running = (context,) * batch
+                prefill = served.prefill(tokens, running)
+                wait = served.pickup(running, wait_steps)
+                phase = None if prefill is None or wait is None else wait.plus(prefill)
                 chunk = max(1, served.max_num_batched_tokens - batch)
                 steps = float(-(-tokens // chunk))
                 sequences, request = steps * (batch + 1), 1.0
-                if batch:  # the others' steps it waits for first (`ServedModel.ttft`)
-                    steps += served.pickup_steps
-                    sequences += served.pickup_steps * batch
+                if batch:
+                    steps += wait_steps
+                    sequences += wait_steps * batch
             if phase is None:
                 return None
             others = max(0.0, phase.seconds - phase.compute_s - phase.memory_s)
@@ -171,17 +176,21 @@ class Calibrator:
         self._observe(served, "decode", 1, batch, context, seconds, weight)
 
     def observe_prefill(self, served: ServedModel, prompt_tokens: int, running: int,
-                        context: int, seconds: float, weight: float = 1.0) -> None:
+                        context: int, seconds: float, weight: float = 1.0, *,
+                        waited: bool = True) -> None:
         """One of the sidecar's own requests: its time to first token after admission,
-        with `running` others decoding."""
+        with `running` others decoding; `waited`: it waited for their steps first
+        (`ServedModel.pickup`; not when prompts were ahead of it, whose prefill those
+        steps are)."""
         self._own_since_scrape += 1
-        self._observe(served, "prefill", prompt_tokens, running, context, seconds, weight)
+        self._observe(served, "prefill", prompt_tokens, running, context, seconds, weight,
+                      served.pickup_steps if waited else 0.0)
 
     def _observe(self, served: ServedModel, kind: str, tokens: int, batch: int, context: int,
-                 seconds: float, weight: float) -> None:
+                 seconds: float, weight: float, wait_steps: float = 0.0) -> None:
         self._ensure(served)
         assert self._fit is not None
-        found = self._phase(kind, tokens, batch, context)
+        found = self._phase(kind, tokens, batch, context, wait_steps)
         if found is None:
             return
         features, others = found
@@ -237,9 +246,13 @@ class Calibrator:
                           weight=min(10.0, itl[1] / 10))
         prefill = _delta(old.histograms.get("prefill"), new.histograms.get("prefill"))
         if prefill is not None and prefill[1] >= 1 and prompts is not None and prompts[1] >= 1:
+            # vLLM times a prefill from when it schedules the request, so the wait for
+            # the step in flight is not in it; the step scheduled behind that one is,
+            # with asynchronous scheduling.
             self._observe(served, "prefill", int(prompts[0] / prompts[1]), max(0, running - 1),
                           context, prefill[0] / prefill[1] / slowdown,
-                          weight=min(5.0, prefill[1]))
+                          weight=min(5.0, prefill[1]),
+                          wait_steps=max(0.0, served.pickup_steps - 0.5))
 
     def server_restarted(self) -> None:
         """The server came back, perhaps with other settings: start the fit over from

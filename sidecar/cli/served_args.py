@@ -127,8 +127,9 @@ def add_served_model_args(parser: Parser) -> None:
     vllm.add_argument("--no-async-scheduling", dest="no_async_scheduling", action="store_true",
                       help="the server schedules each step after the last one's output "
                       "(vLLM's --no-async-scheduling; its CPU build always does): finished "
-                      "requests free their blocks a step sooner (see also --cpu-build). "
-                      "Used by the simulator")
+                      "requests free their blocks a step sooner and new ones start a step sooner "
+                      "(see also --cpu-build; vLLM also turns it off with an n-gram "
+                      "drafter)")
     vllm.add_argument("--cpu-build", action="store_true",
                       help="the server is vLLM's CPU build: no asynchronous scheduling, "
                       "and its API server's work per request (tokenizing, the HTTP "

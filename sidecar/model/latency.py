@@ -342,6 +342,11 @@ class PhaseCost:
         return PhaseCost(factor * self.seconds, factor * self.compute_s,
                          factor * self.memory_s)
 
+    def plus(self, other: PhaseCost) -> PhaseCost:
+        """This phase, then `other`."""
+        return PhaseCost(self.seconds + other.seconds, self.compute_s + other.compute_s,
+                         self.memory_s + other.memory_s)
+
     @staticmethod
     def of(steps: Sequence[StepCost], fixed_s: float = 0.0) -> PhaseCost:
         """The steps' total, plus `fixed_s` spent outside them (per-request work)."""

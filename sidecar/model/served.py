@@ -82,6 +82,14 @@ class Deployment:
     vllm_version: tuple[int, int] = VLLM_VERSION  # whose memory accounting to follow
 
     @property
+    def schedules_async(self) -> bool:
+        """Whether the server schedules each step while the last one runs: as
+        `async_scheduling` says, except with an n-gram drafter, where vLLM turns it off
+        (its config: asynchronous scheduling does not support that method)."""
+        ngram = self.num_speculative_tokens > 0 and self.speculative_method in (None, "ngram")
+        return self.async_scheduling and not ngram
+
+    @property
     def resolved_mamba_cache_mode(self) -> str:
         """vLLM's MambaModelConfig: `align` when prefix caching is on, else `none`."""
         if not self.enable_prefix_caching:
@@ -408,8 +416,7 @@ class ServedModel:
         pickup = self.pickup(running_contexts)
         if prefill is None or pickup is None:
             return None
-        return PhaseCost(pickup.seconds + prefill.seconds, pickup.compute_s + prefill.compute_s,
-                         pickup.memory_s + prefill.memory_s)
+        return pickup.plus(prefill)
 
     def prefill(
         self,
@@ -426,15 +433,18 @@ class ServedModel:
             prompt_tokens, running_contexts, self.max_num_batched_tokens, cached_tokens
         )
 
-    def pickup(self, running_contexts: tuple[int, ...]) -> PhaseCost | None:
+    def pickup(self, running_contexts: tuple[int, ...],
+               steps: float | None = None) -> PhaseCost | None:
         """What a request arriving while `running_contexts` decode waits before vLLM
-        schedules its first chunk: `pickup_steps` of their steps (none when nothing runs)."""
+        schedules its first chunk: `steps` of their steps (default `pickup_steps`; none
+        when nothing runs)."""
         roofline = self.roofline
         if roofline is None:
             return None
         if not running_contexts:
             return PhaseCost(0.0, 0.0, 0.0)
-        return roofline.decode(running_contexts).times(self.pickup_steps)
+        return roofline.decode(running_contexts).times(
+            self.pickup_steps if steps is None else steps)
 
     @property
     def pickup_steps(self) -> float:
@@ -443,7 +453,7 @@ class ServedModel:
         arrival at a random moment), and with asynchronous scheduling the step already
         scheduled behind it (vLLM schedules the next step while one runs, and takes new
         requests in when it schedules)."""
-        return 1.5 if self.deployment.async_scheduling else 0.5
+        return 1.5 if self.deployment.schedules_async else 0.5
 
     def tpot(self, contexts: tuple[int, ...]) -> PhaseCost | None:
         roofline = self.roofline

@@ -107,7 +107,7 @@ class EngineConfig:
                              "--available-kv-gib or --num-gpu-blocks-override")
         return EngineConfig(served.max_num_seqs, served.max_num_batched_tokens,
                             capacity.usable_blocks, policy, prefix_caching,
-                            served.deployment.async_scheduling if async_scheduling is None
+                            served.deployment.schedules_async if async_scheduling is None
                             else async_scheduling,
                             served.deployment.host_shares_device, price_bits)
 
@@ -259,6 +259,9 @@ class Engine:
         self.arrivals: list[tuple[float, int, SimRequest]] = []
         self.arrival_seq = 0
         self.gate_queue: deque[_Req] = deque()
+        # Requests the gate sent on, and when: the engine takes them in as it takes
+        # arrivals in (`_arrive`).
+        self.handoff: deque[tuple[float, _Req]] = deque()
         self.gate_groups: dict[str, list[int]] = {}  # admitted members, shared blocks
         self.reserved = 0
         self.fcfs: deque[_Req] = deque()
@@ -337,7 +340,9 @@ class Engine:
         then)."""
         arrivals = self.arrivals
         cutoff = self.now if self.step_started is None else self.step_started
-        while arrivals and arrivals[0][0] <= cutoff:
+        # The gate sees a request as it arrives (here: by now), the engine when it sent on.
+        seen = self.now if self.gate else cutoff
+        while arrivals and arrivals[0][0] <= seen:
             _, seq, spec = heapq.heappop(arrivals)
             rec = RequestRecord(spec)
             self.records.append(rec)
@@ -366,6 +371,9 @@ class Engine:
                 self._enqueue(req, front=False)
         if self.gate:
             self._gate_admit()
+            handoff = self.handoff
+            while handoff and handoff[0][0] <= cutoff:
+                self._enqueue(handoff.popleft()[1], front=False)
 
     def _gate_admit(self) -> None:
         """Send queued requests while their reservations fit. As kvgate's ledger does,
@@ -393,7 +401,7 @@ class Engine:
                     entry[1] = shared
                 entry[0] += 1
             req.rec.admitted_s = self.now
-            self._enqueue(req, front=False)
+            self.handoff.append((self.now, req))
 
     def _gate_release(self, req: _Req) -> None:
         self.reserved -= req.gate_own

@@ -614,10 +614,13 @@ class Services:
         # Only the tokens it prefilled (prefix-cache hits were predicted as not
         # computed), after those of the prompts ahead of it.
         inputs = ticket.cost.model_inputs
-        prefilled = (ticket.request.prompt_tokens - ticket.cost.cached_tokens
-                     + (inputs.ahead_tokens if inputs is not None else 0))
-        calibrator.observe_prefill(served, prefilled, batch_at_start,
-                                   context, (first_token_at - ticket.admitted_s) / slowdown)
+        ahead = inputs.ahead_tokens if inputs is not None else 0
+        prefilled = ticket.request.prompt_tokens - ticket.cost.cached_tokens + ahead
+        # The others running when it was sent (the count includes itself), whose steps
+        # it waited for unless prompts were ahead of it (as `CostModel` prices it).
+        calibrator.observe_prefill(served, prefilled, max(0, batch_at_start - 1),
+                                   context, (first_token_at - ticket.admitted_s) / slowdown,
+                                   waited=not ahead)
         if tpot is not None:
             calibrator.observe_decode(served, others + 1, context, tpot / slowdown)
         self.apply_calibration()

@@ -122,7 +122,8 @@ class ServeSettings(BaseModel):
         "on when it does not say (vLLM's default)")
     async_scheduling: bool = Field(
         True, description="whether the server schedules each step while the last one runs "
-        "(vLLM's default on GPUs; off with its --no-async-scheduling and in its CPU build): "
+        "(vLLM's default on GPUs; off with its --no-async-scheduling, with an n-gram "
+        "drafter and in its CPU build): "
         "a request arriving while others run waits for the step in flight and the one "
         "scheduled behind it (1.5 steps on average) before its prefill, without for half a step")
     tokenizer: str | None = Field(
