@@ -260,6 +260,11 @@ def test_a_request_admitted_beside_running_ones_waits_for_their_steps_first() ->
     # With prompts ahead of it, the steps it waits for are theirs: no wait on top.
     behind = busy.cost(400, 8, running=6, mean_context=600, ahead_tokens=300)
     assert behind.prefill_model_s == pytest.approx(busy.prefill_s(700, 6, 600))
+    # The fairness charge is its own work: not the wait, nor the prompts ahead of it.
+    capacity = 256
+    assert with_async.gpu_seconds(capacity) == pytest.approx(without.gpu_seconds(capacity))
+    assert behind.gpu_seconds(capacity) == pytest.approx(with_async.gpu_seconds(capacity))
+    assert behind.prefill_s > with_async.prefill_s
 
 
 def test_prompts_admitted_before_and_not_yet_prefilled_are_ahead_in_the_ttft() -> None:

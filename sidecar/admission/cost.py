@@ -98,12 +98,13 @@ class RequestCost:
         return self.output_tokens * self.tpot_s
 
     def gpu_seconds(self, capacity_blocks: int) -> float:
-        """The fairness charge, in GPU-seconds: the prefill holds the whole GPU for
-        its duration; decoding holds the request's share of the KV cache (its blocks
-        over the capacity) for the time it runs. Prefill tokens and KV block-seconds,
-        not request counts."""
-        hold_s = self.prefill_s + self.decode_s
-        return self.prefill_s + self.kv_blocks * hold_s / max(1, capacity_blocks)
+        """The fairness charge, in GPU-seconds: its own prefill's engine time
+        (`prefill_work_s`: not the prompts ahead of it, the steps it waits for or the
+        API server's work) holds the whole GPU; decoding holds the request's share of
+        the KV cache (its blocks over the capacity) for the time it runs. Prefill
+        tokens and KV block-seconds, not request counts."""
+        hold_s = self.prefill_work_s + self.decode_s
+        return self.prefill_work_s + self.kv_blocks * hold_s / max(1, capacity_blocks)
 
 
 class CostModel:
