@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import replace
 
 import pytest
@@ -264,7 +265,20 @@ def test_a_request_admitted_beside_running_ones_waits_for_their_steps_first() ->
     capacity = 256
     assert with_async.gpu_seconds(capacity) == pytest.approx(without.gpu_seconds(capacity))
     assert behind.gpu_seconds(capacity) == pytest.approx(with_async.gpu_seconds(capacity))
-    assert behind.prefill_s > with_async.prefill_s
+
+
+def test_a_prefill_is_priced_whole_at_every_prompt_length() -> None:
+    """Prefills are priced at bucket boundaries and interpolated: a short tail (a turn
+    whose history is cached) keeps the whole of the fixed costs per request and per
+    step, and the price never falls as the prompt grows."""
+    model = CostModel(tiny_served(256))
+    running, context = 3, 600
+    prices = [model.prefill_s(p, running, context) for p in range(1, 700)]
+    assert all(b >= a for a, b in itertools.pairwise(prices))
+    for p in (1, 40, 64, 65, 100, 129, 200, 450, 699):
+        exact = model.served.prefill(p, (context,) * running)
+        assert exact is not None
+        assert model.prefill_s(p, running, context) == pytest.approx(exact.seconds, rel=1e-3)
 
 
 def test_prompts_admitted_before_and_not_yet_prefilled_are_ahead_in_the_ttft() -> None:

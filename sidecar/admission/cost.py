@@ -243,11 +243,23 @@ class CostModel:
 
     def prefill_s(self, prompt_tokens: int, running: int = 0, mean_context: int = 0,
                   cached_tokens: int = 0) -> float:
-        """Prefill of `prompt_tokens` new tokens after `cached_tokens` of prefix hits."""
-        prompt = max(_PROMPT_BUCKET, -(-prompt_tokens // _PROMPT_BUCKET) * _PROMPT_BUCKET)
+        """Prefill of `prompt_tokens` new tokens after `cached_tokens` of prefix hits.
+
+        Priced at the bucket boundaries either side and interpolated between them (exact
+        below the first): the fixed costs (per request, per step) stay whole at any
+        length, where scaling one bucket's price by the share of it used would cut them
+        too."""
         context = (mean_context // _CONTEXT_BUCKET) * _CONTEXT_BUCKET
         cached = (cached_tokens // _CONTEXT_BUCKET) * _CONTEXT_BUCKET
-        return self._prefill(prompt, running, context, cached) * prompt_tokens / prompt
+        prompt = max(1, prompt_tokens)
+        low = (prompt // _PROMPT_BUCKET) * _PROMPT_BUCKET
+        if low == 0:
+            return self._prefill(prompt, running, context, cached)
+        below = self._prefill(low, running, context, cached)
+        if low == prompt:
+            return below
+        above = self._prefill(low + _PROMPT_BUCKET, running, context, cached)
+        return below + (above - below) * (prompt - low) / _PROMPT_BUCKET
 
     def pickup_s(self, running: int, mean_context: int) -> float:
         """What a request waits for the running requests' steps before its prefill
