@@ -120,6 +120,41 @@ def test_finds_the_server_from_a_prior_off_either_way(prior: str) -> None:
                                   rel=0.3)
 
 
+def test_prefills_behind_prompts_ahead_are_learned_without_the_wait() -> None:
+    """A request with prompts ahead of it waited for their steps, not the running
+    requests' (`CostModel`): its observation is told so (`waited=False`) and fitted
+    without the wait. Told it waited, the same times read as a faster server."""
+    truth, served = on(CPU, TRUTH), on(PRIORS["generic"])
+    fits = {}
+    for told in (False, True):
+        rng = random.Random(5)
+        calibrator = Calibrator()
+        for _ in range(150):
+            prompt, running, context = request(rng)
+            running = max(1, running)
+            ttft = truth.prefill(prompt, (context,) * running)
+            tpot = truth.tpot((context,) * (running + 1))
+            assert ttft is not None and tpot is not None
+            calibrator.observe_prefill(served, prompt, running, context,
+                                       ttft.seconds * rng.lognormvariate(0, 0.03),
+                                       waited=told)
+            calibrator.observe_decode(served, running + 1, context,
+                                      tpot.seconds * rng.lognormvariate(0, 0.03))
+        fitted = served.with_efficiency(calibrator.efficiency(served))
+        rng = random.Random(6)
+        errors = []
+        for _ in range(100):
+            prompt, running, context = request(rng)
+            running = max(1, running)
+            true, predicted = (m.prefill(prompt, (context,) * running)
+                               for m in (truth, fitted))
+            assert true is not None and predicted is not None
+            errors.append(predicted.seconds / true.seconds)
+        fits[told] = statistics.median(errors)
+    assert fits[False] == pytest.approx(1.0, abs=0.05)
+    assert fits[True] < 0.95  # the wait it did not have, taken out of its prefill
+
+
 def test_the_same_result_whatever_the_order_of_the_requests() -> None:
     truth, served = on(CPU, TRUTH), on(PRIORS["generic"])
     results = []
