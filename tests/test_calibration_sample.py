@@ -4,15 +4,12 @@ sample spread evenly in time above that rate; the metrics still count every requ
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from sidecar.admission import AdmissionRequest
 from sidecar.calibration.calibrator import LEARN_BURST, LEARN_PER_S
 from sidecar.calibration.sample import RateSample
-from sidecar.server.services import Services
-from sidecar.server.settings import ServeSettings
 
-from support.admission_fixtures import FakeClock, controller, tiny_served
+from support.admission_fixtures import FakeClock, wired_services
 
 
 def test_every_request_is_taken_below_the_rate() -> None:
@@ -51,11 +48,7 @@ def test_bad_settings_are_refused(per_s: float, burst: float) -> None:
 
 async def test_a_busy_server_calibrates_on_a_sample_and_its_metrics_count_all() -> None:
     clock = FakeClock()
-    services = Services(ServeSettings(upstream="http://127.0.0.1:9"), CollectorRegistry(),
-                        arch=None, gpu=None, version="test")
-    services.clock = clock
-    services.controller = controller(clock=clock)
-    services.served = tiny_served()
+    services = wired_services(clock)
     calibrator = services.calibrator
     assert calibrator is not None
     registry = services.metrics.registry
@@ -93,11 +86,7 @@ async def test_a_request_is_learned_beside_the_others_it_ran_with_not_itself(
     alone waits for no step), and with the wait for their steps unless prompts were
     ahead of it."""
     clock = FakeClock()
-    services = Services(ServeSettings(upstream="http://127.0.0.1:9"), CollectorRegistry(),
-                        arch=None, gpu=None, version="test")
-    services.clock = clock
-    services.controller = controller(clock=clock)
-    services.served = tiny_served()
+    services = wired_services(clock)
     assert services.calibrator is not None
     seen: list[tuple[int, bool]] = []
     monkeypatch.setattr(services.calibrator, "observe_prefill",

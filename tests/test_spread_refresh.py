@@ -6,21 +6,15 @@ alone: a real controller and calibrator, no server."""
 from __future__ import annotations
 
 import pytest
-from prometheus_client import CollectorRegistry
 
 from sidecar.admission import AdmissionRequest, Ticket
 from sidecar.server.services import SPREAD_PERIOD_S, Services
-from sidecar.server.settings import ServeSettings
 
-from support.admission_fixtures import FakeClock, controller, tiny_served
+from support.admission_fixtures import FakeClock, wired_services
 
 
 def wired(clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> Services:
-    services = Services(ServeSettings(upstream="http://127.0.0.1:9"), CollectorRegistry(),
-                        arch=None, gpu=None, version="test")
-    services.clock = clock
-    services.controller = controller(clock=clock)
-    services.served = tiny_served()
+    services = wired_services(clock)
     assert services.calibrator is not None
     # The fit is not under test: left alone, a server 3x slower than predicted makes it
     # restart (which resets the spread) or move (which re-prices the spread's ratios).

@@ -438,12 +438,10 @@ class ServedModel:
         """What a request arriving while `running_contexts` decode waits before vLLM
         schedules its first chunk: `steps` of their steps (default `pickup_steps`; none
         when nothing runs)."""
-        roofline = self.roofline
-        if roofline is None:
-            return None
         if not running_contexts:
-            return PhaseCost(0.0, 0.0, 0.0)
-        return roofline.decode(running_contexts).times(
+            return None if self.roofline is None else PhaseCost(0.0, 0.0, 0.0)
+        step = self.tpot(running_contexts)  # one of their decode steps
+        return None if step is None else step.times(
             self.pickup_steps if steps is None else steps)
 
     @property

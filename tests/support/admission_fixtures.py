@@ -5,8 +5,12 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from prometheus_client import CollectorRegistry
+
 from sidecar.admission import AdmissionController, AdmissionSettings, CostModel, ServerState
 from sidecar.model import Deployment, ServedModel, custom_gpu, parse_config
+from sidecar.server.services import Services
+from sidecar.server.settings import ServeSettings
 
 TINY_LLAMA: dict[str, Any] = {
     "model_type": "llama",
@@ -60,3 +64,14 @@ def controller(num_blocks: int = 64, clock: FakeClock | None = None,
                               clock=clock or FakeClock())
     ctl.update_server(ServerState(available=True))
     return ctl
+
+
+def wired_services(clock: FakeClock) -> Services:
+    """The sidecar's services with a real controller and calibrator on the tiny model,
+    no server: for the wiring between admission, observations and calibration."""
+    services = Services(ServeSettings(upstream="http://127.0.0.1:9"), CollectorRegistry(),
+                        arch=None, gpu=None, version="test")
+    services.clock = clock
+    services.controller = controller(clock=clock)
+    services.served = tiny_served()
+    return services
