@@ -81,6 +81,7 @@ from bench.common import (  # noqa: E402
     free_port,
     http_get,
     jain_index,
+    kvgate_revision,
     percentile,
     provenance,
     render_table,
@@ -102,9 +103,12 @@ POLICIES = ("vllm", "static_cap", "threshold", "kvgate")
 # events, modelling its prefix cache from kvgate's own traffic.
 # kvgate_shadow: kvgate admitting everything at once (--mode shadow): its path to the
 # server (tokenizing, streaming, KV cache events) without its admission decisions.
+# kvgate_base: kvgate as another checkout has it (--base-checkout DIR, e.g. a `git
+# worktree` of the revision before a change): a change and its base in one run.
 # kvgate_r1.0: kvgate filling the whole cache (--kv-target-ratio 1.0, not 0.95).
 VARIANTS = {"kvgate_metrics_0.2s": ("--metrics-interval-s", "0.2"), "kvgate_traffic": (),
-            "kvgate_shadow": ("--mode", "shadow"), "kvgate_r1.0": ("--kv-target-ratio", "1.0")}
+            "kvgate_shadow": ("--mode", "shadow"), "kvgate_r1.0": ("--kv-target-ratio", "1.0"),
+            "kvgate_base": ()}
 # kvgate's custom device for these CPUs (the same figures as the end-to-end tests);
 # calibration refines the efficiencies against the live server.
 CPU_DEVICE = ("--gpu-memory-gib", "24", "--gpu-bandwidth-gbps", "20", "--gpu-tflops", "0.5")
@@ -935,7 +939,10 @@ class Bench:
             config = {"argv": ["kvgate", *argv[3:]]}
             ready = f"http://127.0.0.1:{port}/readyz"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-        process = Process(policy, argv, self.tmp / f"{policy}.log", env=env, cwd=ROOT).start()
+        cwd = Path(self.args.base_checkout) if policy == "kvgate_base" else ROOT
+        if policy == "kvgate_base":
+            config["checkout"] = kvgate_revision(cwd)
+        process = Process(policy, argv, self.tmp / f"{policy}.log", env=env, cwd=cwd).start()
         try:
             wait_http(ready, process, timeout_s=60)
         except BenchError:
@@ -1166,6 +1173,10 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         **provenance("bench/admission_quality.py"),
     }
     policies = [p for p in (*POLICIES, *VARIANTS) if p in args.policies.split(",")]
+    if "kvgate_base" in policies and not (
+            args.base_checkout and (Path(args.base_checkout) / "sidecar").is_dir()):
+        raise BenchError("the kvgate_base policy runs kvgate from --base-checkout DIR, a "
+                         "checkout of kvgate (with a sidecar/ directory)")
     with temporary_directory("kvgate-admission-", keep=args.keep_logs) as tmp:
         # Unique prompts: prefix caching off (replaying the workload for the next policy
         # would find it cached). Agentic: vLLM's default, prefix caching on, and its KV
@@ -1420,6 +1431,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--retries", type=int, help="at most this many such reruns in all "
                         "(default 4; smoke 0)")
     parser.add_argument("--keep-logs", action="store_true")
+    parser.add_argument("--base-checkout", metavar="DIR",
+                        help="the checkout the kvgate_base policy runs kvgate from (for "
+                        "a change against its base revision in one run)")
     parser.add_argument("--dump-requests", metavar="FILE",
                         help="also write every request and its outcome here")
     parser.add_argument("--trace", action="store_true",

@@ -324,20 +324,21 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def kvgate_revision() -> dict[str, Any]:
-    """Which kvgate was measured: the commit, whether sidecar/ differs from it, and a
-    hash of sidecar/'s Python sources (identifies uncommitted code too)."""
+def kvgate_revision(root: Path = ROOT) -> dict[str, Any]:
+    """Which kvgate was measured (this checkout's, or `root`'s): the commit, whether
+    sidecar/ differs from it, and a hash of sidecar/'s Python sources (identifies
+    uncommitted code too)."""
     import hashlib
 
     digest = hashlib.sha256()
-    for path in sorted((ROOT / "sidecar").rglob("*.py")):
-        digest.update(str(path.relative_to(ROOT)).encode() + b"\0" + path.read_bytes())
+    for path in sorted((root / "sidecar").rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
     info: dict[str, Any] = {"sidecar_sources_sha256": digest.hexdigest()[:16]}
     try:
-        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+        info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
                                         text=True, capture_output=True,
                                         check=True).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "sidecar"], cwd=ROOT,
+        status = subprocess.run(["git", "status", "--porcelain", "sidecar"], cwd=root,
                                 text=True, capture_output=True, check=True).stdout.strip()
         info["sidecar_uncommitted_changes"] = bool(status)
     except (OSError, subprocess.CalledProcessError):

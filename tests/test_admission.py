@@ -238,6 +238,33 @@ def test_deadline_rejects_when_predicted_ttft_exceeds_target() -> None:
         loop.close()
 
 
+def test_a_queued_request_past_its_deadline_is_refused_not_admitted_when_room_frees() -> None:
+    """Room frees after a queued request's deadline has passed, before its timer ran (a
+    busy event loop runs timers late): it is refused by deadline, not admitted to miss
+    its target on room the next request could use."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock)
+    loop = FakeClockLoop(clock)
+    try:
+        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=12))
+        late = loop.create_task(admit(ctl, prompt_tokens=500, max_tokens=12,
+                                      ttft_slo_s=10.0))
+        on_time = loop.create_task(admit(ctl, prompt_tokens=500, max_tokens=12))
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(ctl.queue) == 2
+        clock.advance(10.0)
+        blocker.finish()  # type: ignore[attr-defined]
+        with pytest.raises(Rejected) as refused:
+            loop.run_until_complete(late)
+        assert refused.value.decision.outcome is Outcome.DEADLINE
+        ticket = loop.run_until_complete(on_time)  # the room went to the next one
+        assert ctl.ledger.reservations == 1 and len(ctl.queue) == 0
+        ticket.finish()  # type: ignore[attr-defined]
+        assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.reservations == 0
+    finally:
+        loop.close()
+
+
 def test_a_request_admitted_beside_running_ones_waits_for_their_steps_first() -> None:
     """The predicted TTFT counts the running requests' steps a request waits for before
     vLLM schedules it (`ServedModel.pickup`: a step and a half with asynchronous

@@ -19,7 +19,9 @@ Decision at arrival, in order:
 4. queue full -> `queue_full`; predicted TTFT (wait + prefill) beyond the request's
    target -> `deadline`; else wait in the queue, until admitted, timed out
    (`queue_timeout`, or `deadline` once it can no longer make its target) or
-   abandoned by the client (`cancelled`).
+   abandoned by the client (`cancelled`). A waiting request with a target is priced
+   again when room frees for it (the prompts then ahead of it, the running set), and
+   refused by `deadline` instead of admitted when that price misses its target.
 Every rejection for capacity carries a Retry-After computed from when running
 requests are predicted to release enough KV (the same holdings over the steps ahead).
 
@@ -682,18 +684,29 @@ class AdmissionController:
                 return
             head = cast(_Waiter, entry.payload)
             # What the head shares is looked up now: it may have changed while it waited.
-            if (not self._fits_now(head.request, head.cost)
+            plan = self._plan(head.request)
+            if (not self._fits_now(head.request, head.cost, plan)
                     or self._server_refusal(head.request) is not None):
                 return
+            # Priced as it would start now: the prompts ahead and the running set
+            # changed while it waited (a wave of requests let in together prefill in turn).
+            cost = self._priced_now(head.request, head.cost, plan, now, waited=True)
+            if entry.deadline_s is not None and now + cost.deadline_prefill_s > entry.deadline_s:
+                # It can no longer make its target (its timer, run late by a busy loop,
+                # has not refused it yet): the room goes to the next one, not to a miss.
+                self.queue.remove(entry)
+                self._resolve(entry, self._timed_out(head.request, cost, entry,
+                                                     entry.deadline_s))
+                continue
             popped = self.queue.pop(now)
             assert popped is entry
-            waiter = cast(_Waiter, entry.payload)
-            if waiter.future.done():
+            if head.future.done():
                 continue
             waited = now - entry.arrival_s
-            ticket = self._start(waiter.request, waiter.cost, now, queue_wait_s=waited,
-                                 predicted_ttft_s=waited + waiter.cost.prefill_s)
-            waiter.future.set_result(ticket)
+            ticket = self._start(head.request, cost, now, queue_wait_s=waited,
+                                 predicted_ttft_s=waited + cost.prefill_s, plan=plan,
+                                 priced=True)
+            head.future.set_result(ticket)
 
     def _resolve(self, entry: Entry, decision: Decision) -> None:
         waiter = cast(_Waiter, entry.payload)
@@ -712,22 +725,20 @@ class AdmissionController:
         predicted_ttft_s: float,
         shadow_outcome: Outcome | None = None,
         plan: PrefixPlan | None = None,
+        priced: bool = False,
     ) -> Ticket:
         """Admit now. `plan`: what it shares, when looked up in this same step (a
-        request that waited looks it up again)."""
+        request that waited looks it up again); `priced`: `cost` is its price now."""
         if plan is None:
             plan = self._plan(request)
-        shared = self.sharing.shared_blocks(plan)
+        if not priced:
+            repriced = self._priced_now(request, cost, plan, now, waited=queue_wait_s > 0)
+            if repriced is not cost:
+                cost = repriced
+                predicted_ttft_s = queue_wait_s + cost.prefill_s
         peak = cost.kv_blocks + cost.shared_blocks
         own = self.sharing.own_blocks(peak, plan)
         unreserved = max(0, cost.worst_case_blocks - cost.kv_blocks)
-        if queue_wait_s > 0 or shared != cost.shared_blocks \
-                or plan.cached_tokens != cost.cached_tokens:
-            # What it shares (a holder filled its blocks), the prompts ahead of it and
-            # the running set changed while it waited: priced as it starts now.
-            cost = replace(self._price(request, cost.output_tokens, plan, shared, now),
-                           worst_case_blocks=peak - shared + unreserved)
-            predicted_ttft_s = queue_wait_s + cost.prefill_s
         reservation = self.ledger.reserve(own, own + unreserved, plan.keys)
         self.sharing.admitted(plan, request.block_keys, request.prompt_tokens, cost.kv_blocks,
                               now)
@@ -739,6 +750,20 @@ class AdmissionController:
         self.prefill_load.add(now, cost.prefill_work_s)
         self._room_cache = None
         return ticket
+
+    def _priced_now(self, request: AdmissionRequest, cost: RequestCost, plan: PrefixPlan,
+                    now: float, *, waited: bool) -> RequestCost:
+        """`cost` as the request would start now: repriced when it waited (the prompts
+        ahead of it and the running set changed) or when what it shares changed (a
+        holder filled its blocks); `cost` itself otherwise."""
+        shared = self.sharing.shared_blocks(plan)
+        if not waited and shared == cost.shared_blocks \
+                and plan.cached_tokens == cost.cached_tokens:
+            return cost
+        peak = cost.kv_blocks + cost.shared_blocks
+        unreserved = max(0, cost.worst_case_blocks - cost.kv_blocks)
+        return replace(self._price(request, cost.output_tokens, plan, shared, now),
+                       worst_case_blocks=peak - shared + unreserved)
 
     def _charge(self, plan: PrefixPlan, cost: RequestCost) -> int:
         """Blocks admitting a request of this prefix plan and cost would add to the
