@@ -265,6 +265,47 @@ def test_a_queued_request_past_its_deadline_is_refused_not_admitted_when_room_fr
         loop.close()
 
 
+def test_a_queued_request_is_priced_again_with_the_prompts_let_in_just_before_it() -> None:
+    """Room frees for two queued requests at once. The first goes in; its prompt is
+    then ahead of the second, whose first token it delays. Priced at arrival (nothing
+    ahead) the second would still make its target; priced as room frees it cannot, so
+    it is refused instead of admitted to miss it."""
+    clock = FakeClock()
+    recorder = Recorder()
+    ctl = controller(num_blocks=200, clock=clock)
+    ctl.listener = recorder
+    loop = FakeClockLoop(clock)
+    try:
+        blockers = [loop.run_until_complete(admit(ctl, prompt_tokens=1000, max_tokens=12))
+                    for _ in range(2)]
+        for blocker in blockers:
+            blocker.first_token()  # type: ignore[attr-defined]  # their prompts are done
+        first = loop.create_task(admit(ctl, prompt_tokens=1000, max_tokens=12))
+        second = loop.create_task(admit(ctl, prompt_tokens=200, max_tokens=12,
+                                        ttft_slo_s=10.0))
+        loop.run_until_complete(asyncio.sleep(0))
+        (entry,) = [e for e in ctl.queue.entries() if e.deadline_s is not None]
+        at_arrival_s = entry.payload.cost.deadline_prefill_s  # type: ignore[attr-defined]
+        assert entry.payload.cost.model_inputs.ahead_tokens == 0  # type: ignore[attr-defined]
+        # Room frees just before the last moment its arrival price would make it.
+        assert entry.deadline_s is not None
+        clock.advance(entry.deadline_s - clock.now - at_arrival_s - 1e-6)
+        blockers[0].finish()  # type: ignore[attr-defined]
+        admitted = loop.run_until_complete(first)
+        with pytest.raises(Rejected) as refused:
+            loop.run_until_complete(second)
+        decision = refused.value.decision
+        assert decision.outcome is Outcome.DEADLINE
+        assert decision.details["predicted_prefill_s"] > at_arrival_s  # type: ignore[operator]
+        assert recorder.decisions.count((Outcome.DEADLINE, False)) == 1
+        assert len(ctl.queue) == 0
+        for ticket in (admitted, blockers[1]):
+            ticket.finish()  # type: ignore[attr-defined]
+        assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.reservations == 0
+    finally:
+        loop.close()
+
+
 def test_a_request_admitted_beside_running_ones_waits_for_their_steps_first() -> None:
     """The predicted TTFT counts the running requests' steps a request waits for before
     vLLM schedules it (`ServedModel.pickup`: a step and a half with asynchronous

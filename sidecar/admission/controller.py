@@ -19,9 +19,10 @@ Decision at arrival, in order:
 4. queue full -> `queue_full`; predicted TTFT (wait + prefill) beyond the request's
    target -> `deadline`; else wait in the queue, until admitted, timed out
    (`queue_timeout`, or `deadline` once it can no longer make its target) or
-   abandoned by the client (`cancelled`). A waiting request with a target is priced
-   again when room frees for it (the prompts then ahead of it, the running set), and
-   refused by `deadline` instead of admitted when that price misses its target.
+   abandoned by the client (`cancelled`). A waiting request is priced again when room
+   frees for it (the prompts then ahead of it, the running set); one with a target is
+   refused instead of admitted when that price misses it (`deadline`, or
+   `queue_timeout` once it has waited the queue's maximum).
 Every rejection for capacity carries a Retry-After computed from when running
 requests are predicted to release enough KV (the same holdings over the steps ahead).
 
@@ -141,12 +142,14 @@ class _NoListener:
         return None
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Waiter:
     future: asyncio.Future[Ticket | Decision]
     request: AdmissionRequest
     cost: RequestCost
     holding: Holding  # what it will hold once admitted (`KVRoom.queued`)
+    # Set when room came for it too late to make its target: the wait it had.
+    room_after_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -637,11 +640,16 @@ class AdmissionController:
             self._report(Decision(Outcome.CANCELLED, "the client went away while queued",
                                   None, queued.details))
             raise
+        model_wait_s = queued.details.get("model_wait_s")
         if isinstance(result, Decision):
+            # Room came too late for it: that wait is as much a measure of the model's
+            # waits as an admitted request's.
+            waited_s = cast(_Waiter, entry.payload).room_after_s
+            if isinstance(model_wait_s, float) and waited_s is not None:
+                self.wait_ratio.observe(model_wait_s, waited_s)
             self._report(result)
             raise Rejected(result)
         self.listener.queue_wait(result.queue_wait_s)
-        model_wait_s = queued.details.get("model_wait_s")
         if isinstance(model_wait_s, float):
             self.wait_ratio.observe(model_wait_s, result.queue_wait_s)
         self._report(self._admitted_decision(result))
@@ -674,7 +682,8 @@ class AdmissionController:
         )
 
     def _dispatch(self) -> None:
-        """Admit waiting requests, in policy order, while the head fits."""
+        """Admit waiting requests, in policy order, while the head fits; a head that
+        fits too late to make its TTFT target is refused instead."""
         if self.settings.mode is Mode.SHADOW or self._draining or not self.server.available:
             return
         while len(self.queue):
@@ -692,8 +701,10 @@ class AdmissionController:
             # changed while it waited (a wave of requests let in together prefill in turn).
             cost = self._priced_now(head.request, head.cost, plan, now, waited=True)
             if entry.deadline_s is not None and now + cost.deadline_prefill_s > entry.deadline_s:
-                # It can no longer make its target (its timer, run late by a busy loop,
-                # has not refused it yet): the room goes to the next one, not to a miss.
+                # It can no longer make its target: the prompts now ahead of it push its
+                # first token past it, or its timer (run late by a busy loop) has not
+                # refused it yet. The room goes to the next one, not to a miss.
+                head.room_after_s = now - entry.arrival_s
                 self.queue.remove(entry)
                 self._resolve(entry, self._timed_out(head.request, cost, entry,
                                                      entry.deadline_s))
