@@ -939,8 +939,9 @@ class Bench:
             config = {"argv": ["kvgate", *argv[3:]]}
             ready = f"http://127.0.0.1:{port}/readyz"
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVGATE_")}
-        cwd = Path(self.args.base_checkout) if policy == "kvgate_base" else ROOT
+        cwd = ROOT
         if policy == "kvgate_base":
+            cwd = Path(self.args.base_checkout)
             config["checkout"] = kvgate_revision(cwd)
         process = Process(policy, argv, self.tmp / f"{policy}.log", env=env, cwd=cwd).start()
         try:
