@@ -241,12 +241,13 @@ def test_deadline_rejects_when_predicted_ttft_exceeds_target() -> None:
 def test_a_queued_request_past_its_deadline_is_refused_not_admitted_when_room_frees() -> None:
     """Room frees after a queued request's deadline has passed, before its timer ran (a
     busy event loop runs timers late): it is refused by deadline, not admitted to miss
-    its target on room the next request could use."""
+    its target on room the next request could use. Its wait until room came still
+    teaches the wait ratio, as the admitted one's does."""
     clock = FakeClock()
     ctl = controller(num_blocks=41, clock=clock)
     loop = FakeClockLoop(clock)
     try:
-        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=12))
+        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=60))
         late = loop.create_task(admit(ctl, prompt_tokens=500, max_tokens=12,
                                       ttft_slo_s=10.0))
         on_time = loop.create_task(admit(ctl, prompt_tokens=500, max_tokens=12))
@@ -259,6 +260,7 @@ def test_a_queued_request_past_its_deadline_is_refused_not_admitted_when_room_fr
         assert refused.value.decision.outcome is Outcome.DEADLINE
         ticket = loop.run_until_complete(on_time)  # the room went to the next one
         assert ctl.ledger.reservations == 1 and len(ctl.queue) == 0
+        assert ctl.wait_ratio.samples == 2
         ticket.finish()  # type: ignore[attr-defined]
         assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.reservations == 0
     finally:
