@@ -124,9 +124,10 @@ def _out_of_fold() -> tuple[Prediction, ...]:
 # request at a time the targets are 25% (TTFT) and 15% (TPOT); the model reaches 9.2%
 # and 7.0% on 85 / 83 rows (25.2% / 8.0% before the fit ran from more than one start),
 # and the bounds are 12% and 10%. Under load the targets are 35% (TTFT) and 20% (TPOT);
-# the model reaches 39.0% on 53 rows and 29.6% on 48 (bursts of 10 to 1,000 prompts,
-# most of whose long prefills it still prices too cheap on an H100, and the closed
-# loops, whose TTFT it prices 40-53% too cheap at every concurrency): there the bounds
+# the model reaches 40.7% on 61 rows and 30.4% on 56 (bursts of 10 to 1,000 prompts,
+# most of whose long prefills it still prices too cheap on an H100 and on eight GPUs,
+# and the closed loops, whose TTFT it prices 40-53% too cheap at every concurrency;
+# 39.0% / 29.6% before the eight Qwen3-235B-A22B bursts came in): there the bounds
 # are what it reaches, with a small margin, until it does. A change that loses accuracy
 # fails (the cross-validation is deterministic). The closed loops' own median
 # inter-token latency (their sources give no TPOT) is within 13% on 5 rows, 19.1% on
@@ -134,8 +135,8 @@ def _out_of_fold() -> tuple[Prediction, ...]:
 OUT_OF_FOLD_BOUNDS = {
     (BANDS[0], "ttft"): (0.12, 80),
     (BANDS[0], "tpot"): (0.10, 80),
-    (BANDS[1], "ttft"): (0.40, 50),
-    (BANDS[1], "tpot"): (0.32, 45),
+    (BANDS[1], "ttft"): (0.42, 58),
+    (BANDS[1], "tpot"): (0.32, 53),
     (BANDS[0], "itl"): (0.20, 1),
     (BANDS[1], "itl"): (0.14, 5),
 }

@@ -67,6 +67,9 @@ EQUIVALENT_CONFIG: dict[str, tuple[str, str]] = {
         "deepseek-ai/DeepSeek-V2-Lite", "coder fine-tune of DeepSeek-V2-Lite"),
     "Qwen/Qwen3-14B-AWQ": (
         "Qwen/Qwen3-14B", "AWQ 4-bit weights of Qwen3-14B (the row's quantization column)"),
+    "Qwen/Qwen3-235B-A22B-Instruct-2507": (
+        "Qwen/Qwen3-235B-A22B", "the July 2025 instruct update of Qwen3-235B-A22B: the same "
+        "layers, experts and heads, its context extended from 40,960 to 262,144 tokens"),
 }
 
 # The quantization_config of checkpoints whose own config.json is not in the data:
