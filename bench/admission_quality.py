@@ -626,6 +626,9 @@ def kvgate_trace_point(url: str) -> dict[str, Any]:
         "effective_used_blocks": ledger.get("effective_used_blocks"),
         "target_blocks": ledger.get("target_blocks"),
         "queue_length": (admission.get("queue") or {}).get("length"),
+        "wait_ratio": ((admission.get("queue") or {}).get("wait_ratio") or {}).get("factor"),
+        "wait_ratio_samples": ((admission.get("queue") or {}).get("wait_ratio")
+                               or {}).get("samples"),
         "inflight": admission.get("inflight"),
         "forecast_peak_blocks": (admission.get("forecast") or {}).get("peak_blocks"),
     }
