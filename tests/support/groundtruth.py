@@ -67,6 +67,15 @@ EQUIVALENT_CONFIG: dict[str, tuple[str, str]] = {
         "deepseek-ai/DeepSeek-V2-Lite", "coder fine-tune of DeepSeek-V2-Lite"),
     "Qwen/Qwen3-14B-AWQ": (
         "Qwen/Qwen3-14B", "AWQ 4-bit weights of Qwen3-14B (the row's quantization column)"),
+    "meta-llama/Meta-Llama-3.1-8B-Instruct": (
+        "meta-llama/Meta-Llama-3.1-8B", "instruct fine-tune of Llama-3.1-8B"),
+    "meta-llama/Meta-Llama-3-8B-Instruct": (
+        "meta-llama/Meta-Llama-3.1-8B", "Llama 3 8B: the layers, heads and vocabulary of "
+        "Llama 3.1 8B, with an 8,192-token context and no RoPE scaling (the row's "
+        "max_model_len)"),
+    "meta-llama/Llama-3.3-70B-Instruct": (
+        "meta-llama/Meta-Llama-3.1-70B", "Llama 3.3 70B: the layers, heads and vocabulary "
+        "of Llama 3.1 70B"),
     "Qwen/Qwen3-235B-A22B-Instruct-2507": (
         "Qwen/Qwen3-235B-A22B", "the July 2025 instruct update of Qwen3-235B-A22B: the same "
         "layers, experts and heads, its context extended from 40,960 to 262,144 tokens"),
@@ -548,12 +557,17 @@ class LatencyCase:
     notes: str
     skip: str | None = None
     itl_ms: float | None = None  # the median inter-token latency, where a row gives it
+    medians: bool = False  # the row gives medians only (its mean columns are empty)
+    max_num_batched_tokens: int | None = None  # a server's token budget, where it was not
+    # vLLM's default for the GPU (the notes' `max_num_batched_tokens N`)
 
     @property
     def statistic(self) -> str:
         """What ttft_ms and tpot_ms are over the row's requests: closed-loop rows give
-        medians (their sources print percentiles), the others means."""
-        return "median" if self.kind == "closed" else "mean"
+        medians (their sources print percentiles), and so do rows whose source gives
+        nothing else; the others means. One request at a time with fixed lengths the
+        two coincide to within the source's spread."""
+        return "median" if self.kind == "closed" or self.medians else "mean"
 
     @property
     def arch(self) -> ModelArchitecture:
@@ -607,7 +621,7 @@ class LatencyCase:
             max_model_len=self.max_model_len,
             # TensorRT-LLM's static-batch benchmark runs a whole prompt in one step.
             max_num_batched_tokens=max(self.input_len, 2048)
-            if self.engine == "tensorrt-llm" else None,
+            if self.engine == "tensorrt-llm" else self.max_num_batched_tokens,
             available_kv_bytes=None if self.available_kv_gib is None
             else int(self.available_kv_gib * GIB),
             vllm_version=_accounting_version(
@@ -668,6 +682,11 @@ def _latency_case(line: int, row: dict[str, str]) -> LatencyCase:
         skip = gpu.note
     kind, prompts = load or ("steady", 1)
     max_len = _note_float(notes, r"max_model_len (\d+)")
+    budget = _note_float(notes, r"max_num_batched_tokens (\d+)")
+    # A closed loop's source gives percentiles; a row with only the median columns
+    # filled gives medians too.
+    medians = kind == "closed" or not (row["mean_ttft_ms"] or row["mean_tpot_ms"])
+    statistic = "median" if medians else "mean"
     return LatencyCase(
         ref=f"latency.csv:{line}",
         model=model_name(row["model"]),
@@ -685,11 +704,13 @@ def _latency_case(line: int, row: dict[str, str]) -> LatencyCase:
         max_model_len=None if max_len is None else int(max_len),
         enforce_eager=re.search(r"vllm serve [^;]*--enforce-eager", notes) is not None,
         available_kv_gib=_note_float(notes, r"KV ([\d.]+) GiB"),
-        ttft_ms=number(row["median_ttft_ms" if kind == "closed" else "mean_ttft_ms"]),
-        tpot_ms=number(row["median_tpot_ms" if kind == "closed" else "mean_tpot_ms"]),
+        ttft_ms=number(row[f"{statistic}_ttft_ms"]),
+        tpot_ms=number(row[f"{statistic}_tpot_ms"]),
         notes=notes,
         skip=skip,
         itl_ms=_note_float(notes, r"ITL p50 ([\d.]+) ms"),
+        medians=medians and kind != "closed",
+        max_num_batched_tokens=None if budget is None else int(budget),
     )
 
 
