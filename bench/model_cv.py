@@ -99,7 +99,9 @@ def model_family(model: str) -> str:
     """The model's family in FAMILIES; a model outside them is a family of its own: its
     name without organisation and size (`google/gemma-2-27b-it` -> `gemma-2`)."""
     for name, marker in FAMILIES.items():
-        if marker.lower() in model.lower():
+        # The marker as a word of the name: "Llama-3" in Meta-Llama-3.1-8B, not in
+        # CodeLlama-34b or Llama-30b.
+        if re.search(rf"(?<![a-z]){re.escape(marker)}(?![0-9])", model, re.IGNORECASE):
             return name
     stem = model.rsplit("/", 1)[-1].split(" (", maxsplit=1)[0].strip().lower()
     return re.split(r"-(?:\d+x)?\d+(?:\.\d+)?[bm](?![a-z])", stem)[0]

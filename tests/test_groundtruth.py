@@ -265,6 +265,11 @@ def test_a_row_of_medians_one_request_at_a_time_and_its_servers_token_budget() -
     assert predict_steady(chunked)[0] > predict_steady(whole)[0]
     means = [c for c in latency_cases() if c.kind == "burst" and c.usable]
     assert means and all(c.statistic == "mean" for c in means)
+    assert all(c.statistic == "median" for c in latency_cases() if c.kind == "closed")
+    # Llama 3.3 70B on vLLM 0.7.1: a 30,000-token context, no chunked prefill, so no
+    # budget named and vLLM's default for the GPU, above its 4,096-token prompts.
+    (whole_prompt,) = [c for c in rows if c.tp == 2]
+    assert whole_prompt.max_num_batched_tokens is None and whole_prompt.max_model_len == 30000
 
 
 def test_a_closed_loop_keeps_its_waves_as_vllms_benchmark_does() -> None:
@@ -288,6 +293,8 @@ def test_a_model_outside_the_families_is_a_family_of_its_own() -> None:
     assert model_family("meta-llama/Meta-Llama-3.1-8B-Instruct") == "llama-3"
     assert model_family("meta-llama/Llama-3.3-70B-Instruct") == "llama-3"
     assert model_family("meta-llama/Llama-2-70b-hf") == "llama-2"
+    assert model_family("codellama/CodeLlama-34b-hf") == "codellama"
+    assert model_family("huggyllama/llama-30b") == "llama"
     assert model_family("deepseek-ai/DeepSeek-V3") == "deepseek-v3"
     assert model_family("gemma-2-9b") not in FAMILIES
     assert model_family("openai/gpt-oss-120b") == model_family("gpt-oss-20b") == "gpt-oss"

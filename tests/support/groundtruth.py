@@ -552,14 +552,14 @@ class LatencyCase:
     max_model_len: int | None
     enforce_eager: bool  # the server ran with --enforce-eager (no CUDA graphs)
     available_kv_gib: float | None  # per GPU, where the notes quote the start-up log
-    ttft_ms: float | None  # the mean; a closed loop's row gives the median
+    ttft_ms: float | None  # the mean, or the median where the row gives only that
     tpot_ms: float | None  # as ttft_ms
     notes: str
     skip: str | None = None
     itl_ms: float | None = None  # the median inter-token latency, where a row gives it
     medians: bool = False  # the row gives medians only (its mean columns are empty)
     max_num_batched_tokens: int | None = None  # a server's token budget, where it was not
-    # vLLM's default for the GPU (the notes' `max_num_batched_tokens N`)
+    # vLLM's default for the GPU (the notes' `server budget: max_num_batched_tokens N`)
 
     @property
     def statistic(self) -> str:
@@ -567,7 +567,7 @@ class LatencyCase:
         medians (their sources print percentiles), and so do rows whose source gives
         nothing else; the others means. One request at a time with fixed lengths the
         two coincide to within the source's spread."""
-        return "median" if self.kind == "closed" or self.medians else "mean"
+        return "median" if self.medians else "mean"
 
     @property
     def arch(self) -> ModelArchitecture:
@@ -682,7 +682,7 @@ def _latency_case(line: int, row: dict[str, str]) -> LatencyCase:
         skip = gpu.note
     kind, prompts = load or ("steady", 1)
     max_len = _note_float(notes, r"max_model_len (\d+)")
-    budget = _note_float(notes, r"max_num_batched_tokens (\d+)")
+    budget = _note_float(notes, r"server budget: max_num_batched_tokens (\d+)")
     # A closed loop's source gives percentiles; a row with only the median columns
     # filled gives medians too.
     medians = kind == "closed" or not (row["mean_ttft_ms"] or row["mean_tpot_ms"])
@@ -709,7 +709,7 @@ def _latency_case(line: int, row: dict[str, str]) -> LatencyCase:
         notes=notes,
         skip=skip,
         itl_ms=_note_float(notes, r"ITL p50 ([\d.]+) ms"),
-        medians=medians and kind != "closed",
+        medians=medians,
         max_num_batched_tokens=None if budget is None else int(budget),
     )
 
