@@ -290,11 +290,14 @@ CLOSED_LOOP_REQUESTS_PER_CLIENT = 20
 def predict_closed(case: LatencyCase, efficiency: Efficiency) -> tuple[float, float, float]:
     """Median TTFT, TPOT and inter-token latency (s) of `case.num_prompts` clients in a
     closed loop, all starting at once, as `vllm bench serve --max-concurrency C
-    --request-rate inf` runs them, by the engine simulator."""
+    --request-rate inf` runs them (or as the row's client paused: its first requests
+    spread over the first pause, a uniform pause before each next one), by the engine
+    simulator."""
     served = case.served().with_efficiency(efficiency)
     clients = case.num_prompts
     workload = ClosedLoop(clients, CLOSED_LOOP_REQUESTS_PER_CLIENT * clients,
-                          Lengths(case.input_len, case.output_len))
+                          Lengths(case.input_len, case.output_len),
+                          ramp_s=case.first_pause_s, jitter_s=case.pause_s)
     summary = simulate(served, workload, EngineConfig.of(served)).summary()
     return summary["ttft_s"]["p50"], summary["tpot_s"]["p50"], summary["itl_s"]["p50"]
 

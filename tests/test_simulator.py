@@ -442,6 +442,29 @@ def test_a_ramped_closed_loop_starts_its_clients_apart() -> None:
         ClosedLoop(2, 2, Lengths(10, 10), ramp_s=-1)
 
 
+def test_a_closed_loops_clients_pause_as_a_benchmark_client_does() -> None:
+    # A pause drawn uniformly from [0, jitter_s) before each next request (France-
+    # Travail's client: 0-20 ms), the same draws for the same seed.
+    model = served()
+    runs = [simulate(model, ClosedLoop(4, 40, Lengths(100, 10), jitter_s=0.02, seed=seed),
+                     exact(model)) for seed in (1, 1, 2)]
+    pauses = []
+    for run in runs:
+        finishes = sorted(r.finish_s or 0 for r in run.records)
+        arrivals = sorted(r.request.arrival_s for r in run.records)[4:]
+        assert run.summary()["completed"] == 40
+        # Each arrival is a finish plus a pause under 20 ms: a client never waits longer.
+        assert all(0 <= a - max(f for f in finishes if f <= a + 1e-12) < 0.02 for a in arrivals)
+        pauses.append(arrivals)
+    assert pauses[0] == pauses[1] and pauses[0] != pauses[2]
+    # Without the pause, each next request arrives exactly at a finish.
+    still = simulate(model, ClosedLoop(4, 40, Lengths(100, 10)), exact(model))
+    assert sorted(r.request.arrival_s for r in still.records)[4:] == pytest.approx(
+        sorted(r.finish_s or 0 for r in still.records)[:36])
+    with pytest.raises(ValueError, match="jitter"):
+        ClosedLoop(2, 2, Lengths(10, 10), jitter_s=-0.01)
+
+
 def test_plan_simulate_starts_its_clients_apart_as_the_planner_does() -> None:
     """`kvgate plan --simulate`'s closed loop starts its clients one request's E2E
     apart, as the planner's (`PlanSimulator`) does: started at one instant, identical

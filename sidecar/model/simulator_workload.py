@@ -85,17 +85,20 @@ class Lengths:
 class ClosedLoop:
     """`clients` clients sending `requests` requests in all, each after the previous
     one of the same client finished and a think time (exponential with mean
-    `think_s` when `exponential_think`, else exactly `think_s`). The clients' first
+    `think_s` when `exponential_think`, else exactly `think_s`; plus a pause drawn
+    uniformly from [0, `jitter_s`), as benchmark clients add). The clients' first
     requests arrive together, or, with `ramp_s`, evenly spread over [0, ramp_s) (client
     k at k x ramp_s / clients): a ramp of one request's E2E starts the loop as it runs
     in its steady state, without a first wave of prefills queued behind each other."""
 
     def __init__(self, clients: int, requests: int, lengths: Lengths, think_s: float = 0.0,
-                 exponential_think: bool = False, seed: int = 0, ramp_s: float = 0.0) -> None:
+                 exponential_think: bool = False, seed: int = 0, ramp_s: float = 0.0,
+                 jitter_s: float = 0.0) -> None:
         if clients < 1 or requests < 1:
             raise ModelError("a closed loop needs >= 1 client and >= 1 request")
-        if think_s < 0 or ramp_s < 0:
-            raise ModelError("think time and ramp must not be negative")
+        if think_s < 0 or ramp_s < 0 or jitter_s < 0:
+            raise ModelError("think time, ramp and jitter must not be negative")
+        self.jitter_s = jitter_s
         self.ramp_s = ramp_s
         self.clients = clients
         self.requests = requests
@@ -118,6 +121,8 @@ class ClosedLoop:
         think = self.think_s
         if think and self.exponential_think:
             think = self._rng.expovariate(1.0 / think)
+        if self.jitter_s:
+            think += self._rng.uniform(0.0, self.jitter_s)
         return self.lengths.draw(self._rng, finish_s + think)
 
 

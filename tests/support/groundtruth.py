@@ -560,6 +560,11 @@ class LatencyCase:
     medians: bool = False  # the row gives medians only (its mean columns are empty)
     max_num_batched_tokens: int | None = None  # a server's token budget, where it was not
     # vLLM's default for the GPU (the notes' `server budget: max_num_batched_tokens N`)
+    # A closed loop's client pausing before each request, for up to `pause_s` drawn
+    # uniformly (up to `first_pause_s` before a client's first), where the notes say so
+    # (`client pause: uniform 0-A ms before each request, 0-B ms before the first`).
+    pause_s: float = 0.0
+    first_pause_s: float = 0.0
 
     @property
     def statistic(self) -> str:
@@ -683,6 +688,8 @@ def _latency_case(line: int, row: dict[str, str]) -> LatencyCase:
     kind, prompts = load or ("steady", 1)
     max_len = _note_float(notes, r"max_model_len (\d+)")
     budget = _note_float(notes, r"server budget: max_num_batched_tokens (\d+)")
+    pause = re.search(r"client pause: uniform 0-(\d+) ms before each request, "
+                      r"0-(\d+) ms before the first", notes)
     # A closed loop's source gives percentiles; a row with only the median columns
     # filled gives medians too.
     medians = kind == "closed" or not (row["mean_ttft_ms"] or row["mean_tpot_ms"])
@@ -711,6 +718,8 @@ def _latency_case(line: int, row: dict[str, str]) -> LatencyCase:
         itl_ms=_note_float(notes, r"ITL p50 ([\d.]+) ms"),
         medians=medians,
         max_num_batched_tokens=None if budget is None else int(budget),
+        pause_s=int(pause.group(1)) / 1000 if pause else 0.0,
+        first_pause_s=int(pause.group(2)) / 1000 if pause else 0.0,
     )
 
 
