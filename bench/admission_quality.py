@@ -620,15 +620,16 @@ def kvgate_trace_point(url: str) -> dict[str, Any]:
     """What kvgate holds now: its ledger, queue and running requests."""
     admission = json.loads(http_get(url + "/kvgate/v1/state")).get("admission") or {}
     ledger = admission.get("ledger") or {}
+    queue = admission.get("queue") or {}
+    wait_ratio = queue.get("wait_ratio") or {}
     return {
         "reserved_blocks": ledger.get("reserved_blocks"),
         "observed_used_blocks": ledger.get("observed_used_blocks"),
         "effective_used_blocks": ledger.get("effective_used_blocks"),
         "target_blocks": ledger.get("target_blocks"),
-        "queue_length": (admission.get("queue") or {}).get("length"),
-        "wait_ratio": ((admission.get("queue") or {}).get("wait_ratio") or {}).get("factor"),
-        "wait_ratio_samples": ((admission.get("queue") or {}).get("wait_ratio")
-                               or {}).get("samples"),
+        "queue_length": queue.get("length"),
+        "wait_ratio": wait_ratio.get("factor"),
+        "wait_ratio_samples": wait_ratio.get("samples"),
         "inflight": admission.get("inflight"),
         "forecast_peak_blocks": (admission.get("forecast") or {}).get("peak_blocks"),
     }
