@@ -26,8 +26,9 @@ at a time) of every other family and then predict the held family's rows:
 - burst rows (N prompts sent at once, concurrency > 1): mean TTFT and TPOT from the
   engine simulator (`sidecar.model.simulator`), as `kvgate plan` now answers;
 - closed-loop rows (C clients, each sending its next request when its last one ends, as
-  `vllm bench serve --max-concurrency C` does): the median TTFT, TPOT and inter-token
-  latency that the row gives, from the simulator's closed loop. Their band is that of
+  `vllm bench serve --max-concurrency C` does, or after the short pause the row's client
+  took): the median TTFT, TPOT and inter-token latency that the row gives, from the
+  simulator's closed loop. Their band is that of
   C; the ITL (the median gap between two tokens, which no other row gives) is reported
   beside the TPOT, never in its place.
 

@@ -3,6 +3,7 @@ roofline's own step prices, and `kvgate simulate`."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -461,6 +462,13 @@ def test_a_closed_loops_clients_pause_as_a_benchmark_client_does() -> None:
     still = simulate(model, ClosedLoop(4, 40, Lengths(100, 10)), exact(model))
     assert sorted(r.request.arrival_s for r in still.records)[4:] == pytest.approx(
         sorted(r.finish_s or 0 for r in still.records)[:36])
+    # The pause adds to a think time, it does not replace it (one client: each request
+    # arrives after the previous one's finish, its think time and a pause).
+    thinking = simulate(model, ClosedLoop(1, 10, Lengths(100, 10), think_s=0.05, jitter_s=0.02),
+                        exact(model))
+    records = sorted(thinking.records, key=lambda r: r.request.arrival_s)
+    gaps = [b.request.arrival_s - (a.finish_s or 0) for a, b in itertools.pairwise(records)]
+    assert len(gaps) == 9 and all(0.05 <= gap < 0.07 for gap in gaps) and len(set(gaps)) > 1
     with pytest.raises(ValueError, match="jitter"):
         ClosedLoop(2, 2, Lengths(10, 10), jitter_s=-0.01)
 

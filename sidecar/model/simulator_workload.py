@@ -86,7 +86,7 @@ class ClosedLoop:
     """`clients` clients sending `requests` requests in all, each after the previous
     one of the same client finished and a think time (exponential with mean
     `think_s` when `exponential_think`, else exactly `think_s`; plus a pause drawn
-    uniformly from [0, `jitter_s`), as benchmark clients add). The clients' first
+    uniformly from [0, `jitter_s`), as some benchmark clients add). The clients' first
     requests arrive together, or, with `ramp_s`, evenly spread over [0, ramp_s) (client
     k at k x ramp_s / clients): a ramp of one request's E2E starts the loop as it runs
     in its steady state, without a first wave of prefills queued behind each other."""
