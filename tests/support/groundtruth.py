@@ -572,7 +572,7 @@ class LatencyCase:
         medians (their sources print percentiles), and so do rows whose source gives
         nothing else; the others means. One request at a time with fixed lengths the
         two coincide to within the source's spread."""
-        return "median" if self.medians else "mean"
+        return _statistic(self.medians)
 
     @property
     def arch(self) -> ModelArchitecture:
@@ -669,6 +669,11 @@ def _load(cell: str, batch_cell: str) -> tuple[str, int] | None:
     return None
 
 
+def _statistic(medians: bool) -> str:
+    """The columns a row's figures are read from: its medians, or its means."""
+    return "median" if medians else "mean"
+
+
 def _latency_case(line: int, row: dict[str, str]) -> LatencyCase:
     notes = row["notes"]
     choice = choose_model(row["model"])
@@ -693,7 +698,7 @@ def _latency_case(line: int, row: dict[str, str]) -> LatencyCase:
     # A closed loop's source gives percentiles; a row with only the median columns
     # filled gives medians too.
     medians = kind == "closed" or not (row["mean_ttft_ms"] or row["mean_tpot_ms"])
-    statistic = "median" if medians else "mean"
+    statistic = _statistic(medians)
     return LatencyCase(
         ref=f"latency.csv:{line}",
         model=model_name(row["model"]),
