@@ -3,6 +3,12 @@
 cross-validated by model family, against the public measurements in tests/data.
 
     python bench/model_cv.py [--json bench/results/model_cv.json]
+    python bench/model_cv.py --fit
+
+`--fit` runs the same fit once on every usable row and sets it beside the constants
+`kvgate plan` and the sidecar ship with (`DEFAULT_EFFICIENCY`, `ENGINE_TERMS`): these
+are that fit's figures to three digits, so the out-of-fold errors below are those of
+the procedure that made the shipped constants.
 
 The fit (`fit`) moves only terms that are physics or engine properties, never a
 per-model or per-GPU constant: the hardware efficiencies shared by every row
@@ -62,10 +68,11 @@ from sidecar.cli.table import render  # noqa: E402
 from sidecar.model import ServedModel  # noqa: E402
 from sidecar.model.latency import (  # noqa: E402
     DEFAULT_EFFICIENCY,
+    ENGINE_TERMS,
     TENSORRT_LLM,
     VLLM,
     Efficiency,
-    EngineOverhead,
+    EngineTerms,
 )
 from sidecar.model.simulator import EngineConfig, SimRequest, Trace, simulate  # noqa: E402
 from sidecar.model.simulator_workload import ClosedLoop, Lengths  # noqa: E402
@@ -90,7 +97,7 @@ NEUTRAL_START: dict[str, float] = {
 }
 HARDWARE = (("bandwidth", 0.3, 1.0), ("per_layer_s", 0.0, 2e-4),
             ("serial_fraction", 0.0, 1.0))
-ENGINE_TERMS = (("compute", 0.2, 1.0), ("per_step_s", 0.0, 1e-2), ("per_request_s", 0.0, 0.1),
+ENGINE_BOUNDS = (("compute", 0.2, 1.0), ("per_step_s", 0.0, 1e-2), ("per_request_s", 0.0, 0.1),
                 ("allreduce_latency_s", 0.0, 1e-4))
 MIN_ROWS_PER_ENGINE = 3
 BANDS = ("concurrency 1", "concurrency > 1")
@@ -143,13 +150,26 @@ def usable_cases() -> list[LatencyCase]:
 
 
 def efficiency_for(values: dict[str, float], engine: str) -> Efficiency:
-    base = replace(DEFAULT_EFFICIENCY, compute=values[f"{engine}.compute"],
-                   **{name: values[name] for name, _, _ in HARDWARE})
-    overhead = EngineOverhead(values[f"{engine}.per_step_s"],
-                              values[f"{engine}.per_request_s"],
-                              values[f"{engine}.allreduce_latency_s"])
-    return replace(base, per_step_s=overhead.per_step_s, per_request_s=overhead.per_request_s,
-                   allreduce_latency_s=overhead.allreduce_latency_s)
+    """The efficiency of `engine`'s rows under the fit's `values`."""
+    base = replace(DEFAULT_EFFICIENCY, **{name: values[name] for name, _, _ in HARDWARE})
+    return base.with_engine(EngineTerms(
+        **{name: values[f"{engine}.{name}"] for name, _, _ in ENGINE_BOUNDS}))
+
+
+def committed_values() -> dict[str, float]:
+    """The shipped constants (`DEFAULT_EFFICIENCY`, `ENGINE_TERMS`) as the fit's values."""
+    values = {name: float(getattr(DEFAULT_EFFICIENCY, name)) for name, _, _ in HARDWARE}
+    for engine in ENGINES:
+        for name, _, _ in ENGINE_BOUNDS:
+            values[f"{engine}.{name}"] = float(getattr(ENGINE_TERMS[engine], name))
+    return values
+
+
+def differing_terms(fitted: dict[str, float], committed: dict[str, float],
+                    rel: float = 5e-3) -> list[str]:
+    """The terms whose committed figure is not the fitted one to three digits."""
+    return [name for name, value in fitted.items()
+            if not math.isclose(value, committed[name], rel_tol=rel, abs_tol=1e-12)]
 
 
 class _WarmCase:
@@ -230,7 +250,7 @@ def fit(cases: Sequence[LatencyCase], rounds: int = 5,
                 for engine in ENGINES}
     fitted = [engine for engine in ENGINES if rows[engine] >= MIN_ROWS_PER_ENGINE]
     for engine in fitted:
-        for name, low, high in ENGINE_TERMS:
+        for name, low, high in ENGINE_BOUNDS:
             if name != "compute" or prefills[engine] >= MIN_ROWS_PER_ENGINE:
                 bounds[f"{engine}.{name}"] = (low, high)
     score = objective(steady)
@@ -393,6 +413,26 @@ def _milliseconds(text: str) -> tuple[float, ...]:
     return values
 
 
+def _fit_all(rounds: int, starts_s: Sequence[float]) -> int:
+    """Print the fit on every usable row beside the shipped constants; 1 if they differ."""
+    cases = usable_cases()
+    fitted = fit(cases, rounds, starts_s)
+    committed = committed_values()
+    differ = differing_terms(fitted, committed)
+    steady = sum(1 for c in cases if c.kind == "steady")
+    print(f"The fit on the {steady} one-request rows of all {len(cases)} usable rows, "
+          "beside the shipped constants")
+    print(render([[name, f"{fitted[name]:.4g}", f"{committed[name]:.4g}",
+                   "differs" if name in differ else ""] for name in fitted],
+                 ["term", "fitted", "shipped", ""]))
+    if differ:
+        print("\nThe shipped constants are not this fit's: set DEFAULT_EFFICIENCY and "
+              "ENGINE_TERMS in sidecar/model/latency.py to the fitted column (three digits).")
+        return 1
+    print("\nThe shipped constants are this fit's, to three digits.")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, metavar="OUT", help="write the results here")
@@ -404,9 +444,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--by", choices=[*GROUPINGS, "both"], default="both",
                         help="hold out each model family, each source, or both in turn "
                              "(default: both)")
+    parser.add_argument("--fit", action="store_true",
+                        help="instead of cross-validating, fit once on every usable row and "
+                             "compare with the shipped constants (~2 min)")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     record: dict[str, Any] = {}
+    if args.fit:
+        return _fit_all(args.rounds, args.per_request_starts_ms)
     for by in GROUPINGS if args.by == "both" else [args.by]:
         predictions, folds = cross_validate(rounds=args.rounds, by=by,
                                             starts_s=args.per_request_starts_ms)

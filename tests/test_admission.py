@@ -268,10 +268,10 @@ def test_a_queued_request_past_its_deadline_is_refused_not_admitted_when_room_fr
 
 
 def test_a_queued_request_is_priced_again_with_the_prompts_let_in_just_before_it() -> None:
-    """Room frees for two queued requests at once. The first goes in; its prompt is
-    then ahead of the second, whose first token it delays. Priced at arrival (nothing
-    ahead) the second would still make its target; priced as room frees it cannot, so
-    it is refused instead of admitted to miss it."""
+    """Room frees for three queued requests at once. The first two go in; their
+    prompts are then ahead of the third, whose first token they delay. Priced at
+    arrival (nothing ahead) the third would still make its target; priced as room
+    frees it cannot, so it is refused instead of admitted to miss it."""
     clock = FakeClock()
     recorder = Recorder()
     ctl = controller(num_blocks=200, clock=clock)
@@ -282,9 +282,9 @@ def test_a_queued_request_is_priced_again_with_the_prompts_let_in_just_before_it
                     for _ in range(2)]
         for blocker in blockers:
             blocker.first_token()  # type: ignore[attr-defined]  # their prompts are done
-        first = loop.create_task(admit(ctl, prompt_tokens=1000, max_tokens=12))
-        second = loop.create_task(admit(ctl, prompt_tokens=200, max_tokens=12,
-                                        ttft_slo_s=10.0))
+        firsts = [loop.create_task(admit(ctl, prompt_tokens=1000, max_tokens=12))
+                  for _ in range(2)]
+        last = loop.create_task(admit(ctl, prompt_tokens=200, max_tokens=12, ttft_slo_s=10.0))
         loop.run_until_complete(asyncio.sleep(0))
         (entry,) = [e for e in ctl.queue.entries() if e.deadline_s is not None]
         at_arrival_s = entry.payload.cost.deadline_prefill_s  # type: ignore[attr-defined]
@@ -292,20 +292,34 @@ def test_a_queued_request_is_priced_again_with_the_prompts_let_in_just_before_it
         # Room frees just before the last moment its arrival price would make it.
         assert entry.deadline_s is not None
         clock.advance(entry.deadline_s - clock.now - at_arrival_s - 1e-6)
-        blockers[0].finish()  # type: ignore[attr-defined]
-        admitted = loop.run_until_complete(first)
+        for blocker in blockers:
+            blocker.finish()  # type: ignore[attr-defined]
+        admitted = [loop.run_until_complete(first) for first in firsts]
         with pytest.raises(Rejected) as refused:
-            loop.run_until_complete(second)
+            loop.run_until_complete(last)
         decision = refused.value.decision
         assert decision.outcome is Outcome.DEADLINE
         assert decision.details["predicted_prefill_s"] > at_arrival_s  # type: ignore[operator]
         assert recorder.decisions.count((Outcome.DEADLINE, False)) == 1
         assert len(ctl.queue) == 0
-        for ticket in (admitted, blockers[1]):
+        for ticket in admitted:
             ticket.finish()  # type: ignore[attr-defined]
         assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.reservations == 0
     finally:
         loop.close()
+
+
+def test_a_prompt_ahead_never_makes_a_first_token_sooner() -> None:
+    """With prompts ahead, the steps a request waits for are theirs: its TTFT is its
+    prefill with theirs, but never less than its own after the steps in flight."""
+    model = CostModel(tiny_served(256))
+    for running, ahead in itertools.product((0, 1, 4, 16), (1, 16, 200, 1000, 4000)):
+        alone = model.cost(200, 12, running=running, mean_context=600)
+        behind = model.cost(200, 12, running=running, mean_context=600, ahead_tokens=ahead)
+        assert behind.prefill_model_s >= alone.prefill_model_s
+    # A long prompt ahead costs its prefill, not the steps in flight on top of it.
+    behind = model.cost(200, 12, running=4, mean_context=600, ahead_tokens=4000)
+    assert behind.prefill_model_s == pytest.approx(model.prefill_s(4200, 4, 600))
 
 
 def test_a_request_admitted_beside_running_ones_waits_for_their_steps_first() -> None:
@@ -328,9 +342,14 @@ def test_a_request_admitted_beside_running_ones_waits_for_their_steps_first() ->
     assert with_async.prefill_work_s == pytest.approx(without.prefill_work_s)
     alone = busy.cost(400, 8)
     assert alone.prefill_model_s == pytest.approx(busy.prefill_s(400))
-    # With prompts ahead of it, the steps it waits for are theirs: no wait on top.
+    # With prompts ahead of it, the steps it waits for are theirs: no wait on top,
+    # and never sooner than its own prefill after the steps in flight.
     behind = busy.cost(400, 8, running=6, mean_context=600, ahead_tokens=300)
-    assert behind.prefill_model_s == pytest.approx(busy.prefill_s(700, 6, 600))
+    assert behind.prefill_model_s == pytest.approx(
+        max(busy.prefill_s(700, 6, 600), with_async.prefill_model_s))
+    long_behind = busy.cost(400, 8, running=6, mean_context=600, ahead_tokens=3000)
+    assert long_behind.prefill_model_s == pytest.approx(busy.prefill_s(3400, 6, 600))
+    assert long_behind.prefill_model_s > with_async.prefill_model_s
     # The fairness charge is its own work: not the wait, nor the prompts ahead of it.
     capacity = 256
     assert with_async.gpu_seconds(capacity) == pytest.approx(without.gpu_seconds(capacity))

@@ -209,13 +209,16 @@ class CostModel:
     def _model_s(self, inputs: ModelInputs) -> tuple[float, float]:
         """The TTFT from the server's taking the request in (the running requests' steps
         it waits for, the prompts ahead, its own prefill) and the TPOT. With prompts
-        ahead, the steps it waits for are theirs, in their prefill already."""
-        wait_s = 0.0 if inputs.ahead_tokens else self.pickup_s(inputs.running,
-                                                                inputs.mean_context)
-        return (wait_s + self.prefill_s(inputs.prefilled_tokens + inputs.ahead_tokens,
-                                        inputs.running, inputs.mean_context,
-                                        inputs.cached_tokens),
-                self.tpot_s(inputs.batch, inputs.context_tokens))
+        ahead, the steps it waits for are theirs, in their prefill already: the TTFT is
+        the longer of that prefill with theirs and its own after the steps in flight
+        (a prompt ahead never makes a request's first token sooner)."""
+        own_s = self.pickup_s(inputs.running, inputs.mean_context) + self.prefill_s(
+            inputs.prefilled_tokens, inputs.running, inputs.mean_context, inputs.cached_tokens)
+        if inputs.ahead_tokens:
+            own_s = max(own_s, self.prefill_s(inputs.prefilled_tokens + inputs.ahead_tokens,
+                                              inputs.running, inputs.mean_context,
+                                              inputs.cached_tokens))
+        return own_s, self.tpot_s(inputs.batch, inputs.context_tokens)
 
     def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int) -> int:
         """The largest max_tokens whose reservation fits in `blocks` and max_model_len."""
