@@ -807,3 +807,30 @@ def test_an_ngram_drafter_turns_asynchronous_scheduling_off() -> None:
     assert not EngineConfig.of(ngram).async_scheduling
     assert Deployment(num_speculative_tokens=1, speculative_method="mtp").schedules_async
     assert not Deployment(async_scheduling=False).schedules_async
+
+
+def test_the_planners_closed_loop_gives_its_steady_state_not_its_start_up() -> None:
+    """Under load a request takes several times its E2E alone, so clients started one
+    alone-E2E apart still send their first prompts faster than the engine takes them:
+    those queue behind each other. The planner's figures leave the clients' first
+    requests out, so they are those of a loop run eight times as long, and a TTFT
+    target allows the seats the steady state meets it at."""
+    from sidecar.cli.plan import build_parser, plan_input
+
+    args = build_parser().parse_args(["--model", "Qwen/Qwen3-8B", "--gpu", "A100-80GB",
+                                      "--prompt-tokens", "2000", "--output-tokens", "500"])
+    model = plan_input(args).served
+    planner = PlanSimulator(model, 2000, 500)
+    ramp_s = planner.closed_loop(1).e2e_mean_s
+    point = planner.closed_loop(80)
+    longer = simulate(model, ClosedLoop(80, 8 * 80, Lengths(2000, 500), ramp_s=ramp_s))
+    steady = longer.summary(warmup_requests=80)
+    assert steady["warmup_requests"] == 80 and steady["completed"] == 640
+    assert point.ttft_p90_s == pytest.approx(steady["ttft_s"]["p90"], rel=0.05)
+    assert point.tpot_p90_s == pytest.approx(steady["tpot_s"]["p90"], rel=0.05)
+    # With the first wave in, the p90 was the start-up's.
+    start_up = simulate(model, ClosedLoop(80, 3 * 80, Lengths(2000, 500), ramp_s=ramp_s))
+    assert start_up.summary()["ttft_s"]["p90"] > 3 * point.ttft_p90_s
+    recommendation = planner.recommend(ttft_target_s=1.5)
+    assert recommendation.max_num_seqs > 80
+    assert recommendation.at_max.ttft_p90_s <= 1.5

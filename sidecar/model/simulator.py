@@ -56,8 +56,9 @@ def simulate_plan(served: ServedModel, prompt_tokens: int, output_tokens: int,
                   shared_prefix_tokens: int = 0, requests: int | None = None,
                   seed: int = 0) -> dict[str, Any]:
     """`kvgate plan --simulate`: the plan's workload through the simulator, a closed
-    loop of `concurrency` clients and, with a rate, a Poisson open loop. Each entry is a
-    run's summary without its KV samples."""
+    loop of `concurrency` clients (its latency figures without the clients' first
+    requests, as `PlanSimulator`'s) and, with a rate, a Poisson open loop. Each entry is
+    a run's summary without its KV samples."""
     count = requests or max(200, 10 * concurrency)
     lengths = Lengths(prompt_tokens, output_tokens,
                       prefix_group="shared" if shared_prefix_tokens else None,
@@ -71,7 +72,7 @@ def simulate_plan(served: ServedModel, prompt_tokens: int, output_tokens: int,
         alone = simulate(served, ClosedLoop(1, 1, lengths, seed=seed)).summary()
         ramp_s = alone["e2e_s"]["mean"] or 0.0
     closed = simulate(served, ClosedLoop(concurrency, count, lengths, seed=seed,
-                                         ramp_s=ramp_s)).summary()
+                                         ramp_s=ramp_s)).summary(concurrency)
     runs["closed_loop"] = {"clients": concurrency, "ramp_s": ramp_s, **closed}
     if arrival_rate_per_s:
         opened = simulate(served, OpenLoop(arrival_rate_per_s, count, lengths,

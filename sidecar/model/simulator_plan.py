@@ -2,9 +2,10 @@
 
 - latency at `--concurrency` c: a closed loop of c clients (each sends its next
   request when the previous one ends), the server's own max_num_seqs, token budget and
-  KV cache; TTFT and TPOT are the run's p50 (and p90), E2E its mean. The clients start
-  spread over one request's E2E alone (`ClosedLoop.ramp_s`), as a loop that has run a
-  while: a steady state, not a start-up wave of c prompts sent at once;
+  KV cache; TTFT and TPOT are the run's p50 (and p90), E2E its mean, in its steady
+  state: the clients start spread over one request's E2E alone (`ClosedLoop.ramp_s`),
+  and the first c requests (a start-up wave, queued behind each other where a request
+  under load takes longer than alone) are left out of the figures;
 - the recommended `--max-num-seqs`: the largest c, up to the KV margin's limit
   (`planning.kv_concurrency_limit`) and vLLM's max_num_seqs, at which a closed loop of
   c clients on a server with max_num_seqs = c keeps the p90 TTFT and p90 TPOT within
@@ -14,8 +15,9 @@
   ceil(R / T); with targets they grow until a Poisson open loop at R / replicas keeps
   both p90s within them. In flight (Little's law) is R x the open loop's mean E2E.
 
-Each closed loop has `REQUESTS_PER_CLIENT` x c requests (at least `MIN_REQUESTS`),
-each open loop `OPEN_LOOP_REQUESTS`.
+Each closed loop has `REQUESTS_PER_CLIENT` x c requests (at least `MIN_REQUESTS`), of
+which the last (`REQUESTS_PER_CLIENT` - 1) x c give the latency figures; each open loop
+has `OPEN_LOOP_REQUESTS`.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class PlanSimulator:
             count = max(MIN_REQUESTS, REQUESTS_PER_CLIENT * clients)
             ramp = self.closed_loop(1).e2e_mean_s if clients > 1 else 0.0
             workload = ClosedLoop(clients, count, self.lengths, seed=self.seed, ramp_s=ramp)
-            self._runs[key] = self._run(workload, seats, clients, None)
+            self._runs[key] = self._run(workload, seats, clients, None, warmup=clients)
         return self._runs[key]
 
     def open_loop(self, rate_per_s: float, max_num_seqs: int | None = None) -> LoadPoint:
@@ -109,9 +111,9 @@ class PlanSimulator:
         return self._runs[key]
 
     def _run(self, workload: Workload, seats: int, clients: int | None,
-             rate: float | None) -> LoadPoint:
+             rate: float | None, warmup: int = 0) -> LoadPoint:
         config = replace(self.config, max_num_seqs=seats)
-        summary = simulate(self.served, workload, config).summary()
+        summary = simulate(self.served, workload, config).summary(warmup)
         if summary["completed"] < summary["requests"]:
             raise ModelError("the simulated server cannot serve a request of "
                              f"{self.lengths.prompt_tokens} + {self.lengths.output_tokens} "

@@ -113,12 +113,20 @@ class SimulationResult:
         start = min(r.request.arrival_s for r in self.records)
         return max(r.finish_s for r in done if r.finish_s is not None) - start
 
-    def summary(self) -> dict[str, Any]:
-        """The JSON-ready figures (`kvgate simulate --json` prints these per policy)."""
+    def summary(self, warmup_requests: int = 0) -> dict[str, Any]:
+        """The JSON-ready figures (`kvgate simulate --json` prints these per policy).
+        The TTFT, TPOT and E2E distributions leave out the first `warmup_requests` to
+        arrive (a closed loop's start-up wave, for its steady state); the counts,
+        throughput, ITL and KV figures cover the whole run."""
         done = self.completed
-        ttft = [r.ttft_s for r in done if r.ttft_s is not None]
-        tpot = [r.tpot_s for r in done if r.tpot_s is not None]
-        e2e = [r.e2e_s for r in done if r.e2e_s is not None]
+        measured = done
+        if warmup_requests > 0:
+            skipped = {id(r) for r in sorted(self.records,
+                                             key=lambda r: r.request.arrival_s)[:warmup_requests]}
+            measured = [r for r in done if id(r) not in skipped]
+        ttft = [r.ttft_s for r in measured if r.ttft_s is not None]
+        tpot = [r.tpot_s for r in measured if r.tpot_s is not None]
+        e2e = [r.e2e_s for r in measured if r.e2e_s is not None]
         span = self.makespan_s
         output_tokens = sum(r.request.output_tokens for r in done)
         itl = {
@@ -130,6 +138,7 @@ class SimulationResult:
         return {
             "requests": len(self.records),
             "completed": len(done),
+            "warmup_requests": len(done) - len(measured),
             "rejected": sum(1 for r in self.records if r.rejected),
             "ttft_s": _distribution(ttft),
             "tpot_s": _distribution(tpot),
