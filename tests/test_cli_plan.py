@@ -147,6 +147,13 @@ def test_vllm_args_and_helm_values(capsys: pytest.CaptureFixture[str]) -> None:
         (["--model", "Qwen/Qwen3-8B", "--tp", "two"], "--tp: expected a positive integer"),
         (["--model", "Qwen/Qwen3-8B", "--max-model-len", "1.5"], "--max-model-len"),
         (["--model", "Qwen/Qwen3-8B", "--gpu-memory-gib", "10"], "needs all of"),
+        (["--model", "Qwen/Qwen3-8B", "--gpu-memory-gib", "1e308", "--gpu-bandwidth-gbps",
+          "100", "--gpu-tflops", "10"], "--gpu-memory-gib: expected a size in GiB of at most"),
+        (["--model", "Qwen/Qwen3-8B", "--available-kv-gib", "1e300"],
+         "--available-kv-gib: expected a size in GiB of at most"),
+        (["--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--max-model-len", "1000"],
+         "--prompt-tokens 1,024 + --output-tokens 256 = 1,280 tokens is more than "
+         "--max-model-len 1,000"),
         (["--model", "Qwen/Qwen3-8B", "--chain", "10:x"], "--chain entry '10:x'"),
         (["--model", "Qwen/Qwen3-8B", "--gpu-memory-utilization", "2"], "in (0, 1]"),
         (["--gpu", "H100"], "--model"),
@@ -263,6 +270,22 @@ def test_a_deployment_that_does_not_fit_exits_1_and_recommends_nothing(
     assert f"needs {1_000_000 // 16:,} KV blocks and the cache holds " \
         f"{result['num_gpu_blocks'] - 1:,}" in result["fit_problems"][0]
     assert "beyond the model's max_position_embeddings (40,960)" in out.err
+
+
+def test_a_request_longer_than_max_model_len_is_bad_input(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # vLLM refuses every request of prompt + max_tokens past --max-model-len: a plan of
+    # such requests (or its vLLM flags) would describe a server that serves none.
+    for extra in (["--max-model-len", "512"], ["--prompt-tokens", "100000"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", *extra,
+                  "--print", "vllm-args"])
+        assert exit_info.value.code == 2
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        assert "is more than --max-model-len" in captured.err
+    assert main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--max-model-len",
+                 "1280", "--json"]) == 0  # 1,024 + 256: exactly fits
 
 
 def test_without_a_gpu_what_is_not_known_is_null(capsys: pytest.CaptureFixture[str]) -> None:

@@ -44,6 +44,20 @@ def positive_float(text: str) -> float:
     return value
 
 
+# The most GiB a memory flag takes: far past any device (1 PiB), short of the float
+# range where byte counts stop being integers.
+MAX_GIB = 1024.0 ** 2
+
+
+def memory_gib(text: str) -> float:
+    """A memory size in GiB: positive, at most MAX_GIB."""
+    value = positive_float(text)
+    if value > MAX_GIB:
+        raise argparse.ArgumentTypeError(
+            f"expected a size in GiB of at most {MAX_GIB:,.0f}, got {text!r}")
+    return value
+
+
 def fraction(text: str) -> float:
     value = positive_float(text)
     if value > 1:

@@ -132,6 +132,13 @@ def plan_input(args: argparse.Namespace) -> PlanInput:
             f"--shared-prefix-tokens {args.shared_prefix_tokens:,} is more than --prompt-tokens "
             f"{args.prompt_tokens:,}: the shared prefix is the start of every prompt")
     served = served_model_from_args(args, _note)
+    request_tokens = args.prompt_tokens + args.output_tokens
+    if request_tokens > served.max_model_len:
+        raise ModelError(
+            f"--prompt-tokens {args.prompt_tokens:,} + --output-tokens {args.output_tokens:,} "
+            f"= {request_tokens:,} tokens is more than --max-model-len "
+            f"{served.max_model_len:,}: vLLM refuses every such request; raise "
+            "--max-model-len or plan shorter requests")
     context = served.arch.context
     if context.limit is not None and served.max_model_len > context.limit:
         _note(f"--max-model-len {served.max_model_len:,} is beyond the model's "

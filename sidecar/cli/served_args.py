@@ -12,6 +12,7 @@ from sidecar.calibration.store import CalibrationFileError, read_calibration
 from sidecar.cli.args import (
     Parser,
     fraction,
+    memory_gib,
     non_negative_int,
     positive_float,
     positive_int,
@@ -56,7 +57,7 @@ def add_served_model_args(parser: Parser) -> None:
 
     gpu = parser.add_argument_group("GPU (a catalogue name, or custom figures)")
     gpu.add_argument("--gpu", metavar="NAME", help="GPU from the catalogue, e.g. H100, A100-80GB")
-    gpu.add_argument("--gpu-memory-gib", type=positive_float, metavar="X",
+    gpu.add_argument("--gpu-memory-gib", type=memory_gib, metavar="X",
                      help="runtime-visible memory per GPU in GiB (overrides the catalogue)")
     gpu.add_argument("--gpu-bandwidth-gbps", type=positive_float, metavar="Y",
                      help="memory bandwidth in GB/s (overrides the catalogue)")
@@ -108,7 +109,7 @@ def add_served_model_args(parser: Parser) -> None:
                       help="vLLM's cap on running sequences (default: vLLM's default)")
     vllm.add_argument("--num-gpu-blocks-override", type=positive_int, metavar="N",
                       help="a forced number of KV blocks, as vLLM's flag of that name")
-    vllm.add_argument("--available-kv-gib", type=positive_float, metavar="X",
+    vllm.add_argument("--available-kv-gib", type=memory_gib, metavar="X",
                       help="the KV budget per GPU vLLM logged ('Available KV cache memory'); "
                            "capacity then follows exactly and no GPU is needed")
     vllm.add_argument("--no-prefix-cache", "--no-enable-prefix-caching",
