@@ -176,6 +176,11 @@ class Echo:
                 raise
         if body == b"empty":
             return web.Response(status=204 if request.headers.get("x-a") else 499)
+        if body == b"stream-then-fail" and isinstance(request, LeanRequest):
+            stream = request.start_stream(200, "OK", [("Content-Type", "text/event-stream")],
+                                          None)
+            await stream.write(b"data: one\n\n")
+            raise RuntimeError("a fault inside kvgate after the answer began")
         if body == b"stream" and isinstance(request, LeanRequest):
             stream = request.start_stream(200, "OK", [("Content-Type", "text/event-stream")],
                                           None)
@@ -264,7 +269,10 @@ async def unusual_requests_get_aiohttps_answers(door: FrontDoor, echo: Echo) -> 
                b"\r\n5\r\nhello\r\n0\r\n\r\n")
     cases = [(chunked, 200), (post(b"x" * 2000), 413), (post(BODY, b"X-A: a\x00b"), 400),
              (b"POST /v1/completions HTTP/1.1\r\nContent-Length: 2\r\nContent-Length: 3"
-              b"\r\n\r\nab", 400)]
+              b"\r\n\r\nab", 400),
+             # Heads that never end in CRLF CRLF: answered at once, not at the idle timeout.
+             (b"POST /v1/completions HTTP/1.1\nHost: k\nContent-Length: 2\n\n{}", 400),
+             (b"HELLO WORLD\r\nHost: k\r\n", 400)]
     for request, expected in cases:
         reader, writer = await connect(door)
         writer.write(request)
@@ -289,6 +297,12 @@ async def answers_without_a_body(door: FrontDoor, echo: Echo) -> None:
 
 
 async def streams_close_and_cancel(door: FrontDoor, echo: Echo) -> None:
+    # A fault after the answer began: the connection closes, with no second answer.
+    reader, writer = await connect(door)
+    writer.write(post(b"stream-then-fail"))
+    written = await asyncio.wait_for(reader.read(), 5)
+    assert b"data: one\n\n" in written and written.count(b"HTTP/1.1 ") == 1
+    writer.close()
     reader, writer = await connect(door)
     writer.write(post(b"stream"))
     status, headers, body = await read_answer(reader)

@@ -124,17 +124,22 @@ def test_steering_any_header_raises_only_bad_request(
     assert steering.ttft_slo_s is None or 0 < steering.ttft_slo_s <= 3600
 
 
-@given(events=st.lists(st.binary(max_size=40).map(
-           lambda b: b"data: " + b.replace(b"\n", b" ") + b"\n\n"), max_size=8),
-       tail=st.binary(max_size=30).map(lambda b: b.replace(b"\n", b" ")),
-       cuts=st.lists(st.integers(0, 400), max_size=6), limit=st.integers(8, 200))
+def _plain(data: bytes) -> bytes:
+    return data.replace(b"\n", b" ").replace(b"\r", b" ")
+
+
+@given(events=st.lists(st.binary(max_size=40).map(lambda b: b"data: " + _plain(b)), max_size=8),
+       tail=st.binary(max_size=30).map(_plain),
+       cuts=st.lists(st.integers(0, 400), max_size=6), limit=st.integers(8, 200),
+       end=st.sampled_from([b"\n\n", b"\r\n\r\n"]))
 def test_event_aligner_passes_whole_events_and_everything(
-    events: list[bytes], tail: bytes, cuts: list[int], limit: int
+    events: list[bytes], tail: bytes, cuts: list[int], limit: int, end: bytes
 ) -> None:
     """However the upstream splits a stream, what kvgate passes on is the same bytes,
     cut only at event boundaries (unless one event is larger than the limit), and an
-    error event after a failure starts on a boundary."""
-    stream = b"".join(events) + tail
+    error event after a failure starts on a boundary. Events end in LF LF (vLLM's) or
+    in CRLF CRLF."""
+    stream = b"".join(event + end for event in events) + tail
     aligner = EventAligner(limit)
     passed, start = [], 0
     for cut in [*sorted({min(c, len(stream)) for c in cuts}), len(stream)]:
@@ -142,14 +147,15 @@ def test_event_aligner_passes_whole_events_and_everything(
         start = cut
         if out:
             passed.append(out)
-            assert out.endswith(b"\n\n") or len(out) > limit
+            assert out.endswith(end) or len(out) > limit
+        assert end not in stream[len(b"".join(passed)):start]  # no whole event held back
     assert b"".join(passed) + aligner.flush() == stream
     # The upstream fails after `cut` bytes: the error event starts on a boundary.
     aligner = EventAligner(limit)
     sent = aligner.feed(stream[: cuts[0] if cuts else 0])
     combined = sent + aligner.error_event(b"data: {}\n\n")
     start = len(combined) - len(b"data: {}\n\n")
-    assert start == 0 or combined[:start].endswith(b"\n\n")
+    assert start == 0 or combined[:start].endswith((b"\n\n", b"\r\n\r\n"))
 
 
 # ---- against the real server ----------------------------------------------------------------

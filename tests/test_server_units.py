@@ -131,7 +131,8 @@ def test_priority_classes_and_numbers() -> None:
     assert parse_priority("low", 1) == 0
 
 
-@pytest.mark.parametrize("tenant", ["a b", "x" * 129, "evil\ninjected", "", "ümlaut"])
+@pytest.mark.parametrize("tenant", ["a b", "x" * 129, "evil\ninjected", "", "ümlaut",
+                                    "alice\n", "x" * 128 + "\n"])
 def test_tenant_injection_and_length(tenant: str) -> None:
     with pytest.raises(BadRequest, match="tenant|user"):
         parse_tenant(tenant, None)

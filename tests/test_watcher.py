@@ -38,3 +38,37 @@ def test_a_scrape_records_when_it_was_sent_and_when_it_came_back() -> None:
     client.now += 0.6
     view = asyncio.run(watcher.poll_once())
     assert (view.metrics_sent_at, view.metrics_at) == (101.0, 101.4)
+
+
+class BrokenOnceClient(SlowMetricsClient):
+    """Its first /metrics reply breaks a parser (not an UpstreamError); then it answers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scrapes = 0
+
+    async def metrics(self) -> ServerMetrics:
+        self.scrapes += 1
+        if self.scrapes == 1:
+            raise UnicodeDecodeError("utf-8", b"\xe9", 0, 1, "invalid continuation byte")
+        return await super().metrics()
+
+
+def test_a_reply_no_parser_expected_is_a_failed_poll_and_the_polls_go_on() -> None:
+    client = BrokenOnceClient()
+    watcher = UpstreamWatcher(cast(UpstreamClient, client), interval_s=0.01,
+                              clock=client.clock)
+    view = asyncio.run(watcher.poll_once())
+    assert view.consecutive_failures == 1 and "UnicodeDecodeError" in (view.last_error or "")
+
+    async def run_a_while() -> None:
+        task = asyncio.create_task(watcher.run())
+        await asyncio.sleep(0.1)
+        assert not task.done()  # the watcher did not die with the first bad reply
+        task.cancel()
+
+    client.scrapes = 0
+    watcher.view = type(watcher.view)()
+    asyncio.run(run_a_while())
+    assert client.scrapes >= 3
+    assert watcher.view.up and watcher.view.consecutive_failures == 0

@@ -18,7 +18,7 @@ TENANT = "x-kvgate-tenant"
 TTFT_SLO = "x-kvgate-ttft-slo-ms"
 
 CLASS_NAMES = {"high": 0, "normal": 1, "low": 2}
-_TENANT = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,128}$")
+_TENANT = re.compile(r"[A-Za-z0-9._:@/+=-]{1,128}")
 MAX_TTFT_SLO_MS = 3_600_000
 _NUMBER = re.compile(r"[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?")
 DEFAULT_TENANT = "default"
@@ -49,7 +49,7 @@ def parse_tenant(header: str | None, user: str | None) -> str:
     for source, value in ((TENANT, header), ("user", user)):
         if value is None:
             continue
-        if not _TENANT.match(value):
+        if not _TENANT.fullmatch(value):
             raise BadRequest(f"{'header ' if source == TENANT else ''}{source} must be 1-128 "
                              "characters of letters, digits and ._:@/+=-", source)
         return value

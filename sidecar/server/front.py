@@ -112,6 +112,7 @@ class FrontConnection(asyncio.Protocol):
         self._writable: asyncio.Future[None] | None = None
         self._idle: asyncio.TimerHandle | None = None
         self._reading_paused = False
+        self.answering = False  # a byte of the current request's answer was written
         self.loop: asyncio.AbstractEventLoop | None = None  # set when the connection opens
 
     # ---- asyncio's callbacks -------------------------------------------------------------
@@ -151,6 +152,7 @@ class FrontConnection(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             raise client_gone()
+        self.answering = True
         transport.write(data)
 
     async def drain(self) -> None:
@@ -173,8 +175,8 @@ class FrontConnection(asyncio.Protocol):
         if pending is None:
             end = self.buffer.find(b"\r\n\r\n")
             if end < 0:
-                if len(self.buffer) > MAX_HEAD_BYTES:
-                    self._hand_off()
+                if len(self.buffer) > MAX_HEAD_BYTES or not self._may_be_lean():
+                    self._hand_off()  # aiohttp answers it now, not at the idle timeout
                 return
             head = parse_head(bytes(self.buffer[:end]), self.door.routes)
             if head is None or head.content_length > self.door.max_body_bytes:
@@ -198,6 +200,7 @@ class FrontConnection(asyncio.Protocol):
         entry = access_log.RequestRecord(access_log.request_id(head.headers), "POST",
                                          access_log.route_of(head.raw_path))
         request = LeanRequest(door.app, self, head, body, entry)
+        self.answering = False  # no byte of this request's answer written yet
         try:
             response = await access_log.logged(door.access, entry,
                                                lambda: door.handler(request), door.drain_cut)
@@ -207,8 +210,12 @@ class FrontConnection(asyncio.Protocol):
             raise
         except Exception:
             log.exception("request %s failed inside kvgate", entry.id)
-            response = web.Response(status=500, text="500 Internal Server Error")
             self.keep_alive = False
+            if self.answering:  # a second answer would be read as the next request's
+                self.task = None
+                self.close()
+                return
+            response = web.Response(status=500, text="500 Internal Server Error")
         try:
             if isinstance(response, LeanStream):
                 # Ended here when the proxy left it open (as aiohttp ends a returned
@@ -233,6 +240,19 @@ class FrontConnection(asyncio.Protocol):
             self.transport.resume_reading()
         if self.buffer:
             self._next()
+
+    def _may_be_lean(self) -> bool:
+        """Whether the bytes of an unfinished head can still begin one the lean path
+        reads: a POST, every line so far ended by CRLF."""
+        buffer = self.buffer
+        if buffer[:5] != b"POST "[:len(buffer)]:
+            return False
+        newline = buffer.find(b"\n")
+        while newline >= 0:
+            if newline == 0 or buffer[newline - 1] != 0x0D:
+                return False  # a bare LF
+            newline = buffer.find(b"\n", newline + 1)
+        return True
 
     def _hand_off(self) -> None:
         """From here on the connection is aiohttp's, with the bytes read so far (between

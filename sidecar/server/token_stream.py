@@ -78,6 +78,11 @@ class EventAligner:
         """The bytes to pass on now (whole events)."""
         data = self._pending + chunk
         end = data.rfind(b"\n\n")
+        if end >= 0:
+            end += 2
+        else:  # events may also end in CRLF CRLF (vLLM's end in LF LF)
+            end = data.rfind(b"\r\n\r\n")
+            end = end + 4 if end >= 0 else -1
         if end < 0:
             if len(data) <= self.limit:
                 self._pending = data
@@ -85,9 +90,9 @@ class EventAligner:
             self._pending = b""  # a pathological event: pass it on as it is
             self._at_boundary = False
             return data
-        self._pending = data[end + 2:]
+        self._pending = data[end:]
         self._at_boundary = True
-        return data[:end + 2]
+        return data[:end]
 
     def flush(self) -> bytes:
         """What is left at the end of a complete stream."""

@@ -72,7 +72,9 @@ class UpstreamClient:
             async with self.session.request(
                 method, self.url(path), json=payload, timeout=self._timeout, headers=headers
             ) as response:
-                text = await response.text()
+                # A byte that is not UTF-8 (a label, a model name) costs its character,
+                # not the whole reply.
+                text = await response.text(errors="replace")
                 if response.status >= 400:
                     raise UpstreamError(
                         "status", f"{method} {path} answered {response.status}: {text[:200]}"

@@ -97,27 +97,12 @@ class UpstreamWatcher:
                 previous_metrics_at=before.metrics_at,
             )
         except UpstreamError as exc:
-            failures = before.consecutive_failures + 1
-            down = exc.kind == "connect" or failures >= self.failures_before_down
-            models = () if down else before.models
-            if down and exc.kind != "connect" and before.up:
-                # Only /metrics may be failing: a server that still answers stays up,
-                # its metrics go stale and decisions fall back to the model alone.
-                alive = await self._alive()
-                if alive is not None:
-                    if failures == self.failures_before_down:
-                        log.warning("the server's /metrics fails (%s) but the server "
-                                    "answers: its metrics will go stale", exc)
-                    down, models = False, alive
-            after = replace(
-                before,
-                up=before.up and not down,
-                last_error=str(exc),
-                consecutive_failures=failures,
-                models=models,
-            )
-            if before.up and down:
-                log.warning("upstream is down: %s", exc)
+            after = await self._failed(before, exc)
+        except Exception as exc:  # a reply no parser expected: a failed poll; the polls go on
+            if not before.consecutive_failures:
+                log.exception("polling the server failed")
+            after = await self._failed(before, UpstreamError("protocol",
+                                                             f"unexpected reply: {exc!r}"))
         if after.up and not before.up:
             log.info("upstream is up: model %s", after.model.id if after.model else "?")
         self.view = after
@@ -125,10 +110,36 @@ class UpstreamWatcher:
             self.on_update(before, after)
         return after
 
+    async def _failed(self, before: UpstreamView, exc: UpstreamError) -> UpstreamView:
+        """The view after a failed poll: down on a refused connection or after
+        `failures_before_down` failures in a row (unless the server still answers)."""
+        failures = before.consecutive_failures + 1
+        down = exc.kind == "connect" or failures >= self.failures_before_down
+        models = () if down else before.models
+        if down and exc.kind != "connect" and before.up:
+            # Only /metrics may be failing: a server that still answers stays up,
+            # its metrics go stale and decisions fall back to the model alone.
+            alive = await self._alive()
+            if alive is not None:
+                if failures == self.failures_before_down:
+                    log.warning("the server's /metrics fails (%s) but the server "
+                                "answers: its metrics will go stale", exc)
+                down, models = False, alive
+        after = replace(
+            before,
+            up=before.up and not down,
+            last_error=str(exc),
+            consecutive_failures=failures,
+            models=models,
+        )
+        if before.up and down:
+            log.warning("upstream is down: %s", exc)
+        return after
+
     async def _alive(self) -> tuple[ModelInfo, ...] | None:
         """The served models if the server answers /v1/models, else None."""
         try:
             models = tuple(await self.client.models())
-        except UpstreamError:
+        except Exception:  # an UpstreamError, or a reply no parser expected
             return None
         return models or None
