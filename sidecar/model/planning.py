@@ -75,7 +75,8 @@ def steady_latency(
     return LatencyEstimate(
         ttft_s=prefill.seconds,
         tpot_s=decode.seconds,
-        e2e_s=prefill.seconds + output_tokens * decode.seconds,
+        # The prefill's step gives the first token; each decode step one more.
+        e2e_s=prefill.seconds + max(0, output_tokens - 1) * decode.seconds,
         prefill_bound=prefill.bound,
         decode_bound=decode.bound,
     )
@@ -221,7 +222,8 @@ def chain(
         decode = served.tpot((mid,) * max(1, concurrency))
         assert prefill is not None and decode is not None
         estimates.append(
-            ChainCallEstimate(call, cached, prefill.seconds, call.output_tokens * decode.seconds)
+            ChainCallEstimate(call, cached, prefill.seconds,
+                              max(0, call.output_tokens - 1) * decode.seconds)
         )
         previous_context = call.input_tokens + call.output_tokens - 1
     return ChainEstimate(tuple(estimates), prefix_cache)
