@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 from dataclasses import replace
 
 import pytest
@@ -22,8 +23,10 @@ from sidecar.admission import (
     ServerState,
 )
 from sidecar.admission.forecast import Holding, holdings_peak, steps_until_room
+from sidecar.admission.ledger import Ledger
+from sidecar.admission.prefix import PrefixPlan
 from sidecar.admission.queue import Entry
-from sidecar.admission.room import QueueWalk, RunningHoldings
+from sidecar.admission.room import KVRoom, QueueWalk, RunningHoldings
 from sidecar.admission.wait_ratio import MIN_SAMPLES
 from sidecar.model import ServedModel
 
@@ -1065,3 +1068,107 @@ def test_the_entries_ahead_of_a_newcomer_are_those_the_queue_takes_first(
             break
     assert set(order[:-1]) == ahead
     assert len(pushed) == 6
+
+
+def test_the_wait_for_room_is_the_first_start_that_fits_not_a_later_one() -> None:
+    """Admitted later, a newcomer finds fewer requests running but those left larger:
+    it fits right after a short request ends (step 5) and, the long one grown, not
+    after the next ends. The wait is the first start that fits."""
+    model = CostModel(tiny_served(4096))
+    room = KVRoom(Ledger(4096), model)
+    request = AdmissionRequest(prompt_tokens=160, max_tokens=8)
+    cost = model.cost(160, 8)
+    running = RunningHoldings(
+        tickets=(),
+        holdings=(Holding(40, 0, 40, 5),  # 40 blocks, its last step the 5th
+                  Holding(10, 1, 48, 1000),  # grows a block a step to 48
+                  Holding(0, 0, 0, 200), Holding(0, 0, 0, 300)),
+        base_blocks=0.0, prefill_steps=0)
+    plan = PrefixPlan.none()
+
+    def fits_from(step: int) -> bool:
+        later = tuple(Holding(min(h.cap_blocks, h.start_blocks + h.blocks_per_step * step),
+                              h.blocks_per_step, h.cap_blocks, h.end_steps - step)
+                      for h in running.holdings)
+        return room.fits(RunningHoldings((), later, 0.0, 0), request, cost, plan, 55)
+
+    assert [fits_from(step) for step in (0, 5, 200, 300, 1000)] == [
+        False, True, False, False, True]
+    assert room.steps_until_fits(running, request, cost, plan, 55) == 5
+    assert cost.kv_blocks == 11  # not even alone within 10
+    assert room.steps_until_fits(running, request, cost, plan, 10) == math.inf
+
+
+@pytest.mark.parametrize("how", ["cancelled", "timed out"])
+def test_requests_behind_a_head_that_leaves_the_queue_go_in_at_once(how: str) -> None:
+    """The head does not fit and the request behind it does; when the head leaves
+    (its client went away, or its wait ran out), the one behind goes in at once, not
+    at the next scrape or finish."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_wait_s=5.0))
+    loop = FakeClockLoop(clock)
+    try:
+        running = loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=12))
+        running.first_token()  # type: ignore[attr-defined]
+        head = loop.create_task(admit(ctl, prompt_tokens=200, max_tokens=60))
+        loop.run_until_complete(asyncio.sleep(0))
+        if how == "timed out":
+            clock.advance(2.0)  # the head's wait runs out first
+        behind = loop.create_task(admit(ctl, prompt_tokens=50, max_tokens=20))
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(ctl.queue) == 2 and not behind.done()
+        if how == "cancelled":
+            head.cancel()
+        else:
+            clock.advance(3.01)
+        for _ in range(3):
+            loop.run_until_complete(asyncio.sleep(0))
+        assert head.done() and behind.done() and len(ctl.queue) == 0
+        behind.result().finish()  # type: ignore[attr-defined]
+        running.finish()  # type: ignore[attr-defined]
+        assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.reservations == 0
+        if how == "timed out":
+            with pytest.raises(Rejected):
+                head.result()
+    finally:
+        loop.close()
+
+
+def test_a_request_starved_past_the_bound_goes_before_new_arrivals_that_fit() -> None:
+    """Strict priority lets a band-0 arrival that fits in at once, ahead of a band-2
+    request waiting for room; once that one has waited past the starvation bound it
+    goes first, so arrivals queue behind it instead of taking the room it waits for."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=201, clock=clock, starvation_bound_s=30.0,
+                     limits=QueueLimits(max_wait_s=120.0))  # target 190 blocks
+    loop = FakeClockLoop(clock)
+
+    def arrive(band: int, prompt: int) -> asyncio.Task[object]:
+        task = loop.create_task(admit(ctl, prompt_tokens=prompt, max_tokens=100, band=band))
+        loop.run_until_complete(asyncio.sleep(0))
+        return task
+
+    try:
+        running = [loop.run_until_complete(admit(ctl, prompt_tokens=400, max_tokens=100,
+                                                 band=0)) for _ in range(5)]  # 32 blocks each
+        low = arrive(2, 900)  # 63 blocks: no room
+        assert len(ctl.queue) == 1
+        running.pop().finish()  # type: ignore[attr-defined]
+        early = arrive(0, 400)  # before the bound: in at once, ahead of the low band
+        assert early.done() and len(ctl.queue) == 1
+        running.append(early.result())
+        clock.advance(31.0)
+        running.pop().finish()  # type: ignore[attr-defined]  # 128 held: still no room for 63
+        late = arrive(0, 400)  # it would fit, but the starved request goes first
+        assert not late.done() and len(ctl.queue) == 2
+        running.pop().finish()  # type: ignore[attr-defined]  # room for the starved one
+        loop.run_until_complete(asyncio.sleep(0))
+        assert low.done() and not late.done()
+        low.result().finish()  # type: ignore[attr-defined]
+        loop.run_until_complete(asyncio.sleep(0))
+        assert late.done()
+        for ticket in [*running, late.result()]:
+            ticket.finish()  # type: ignore[attr-defined]
+        assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.reservations == 0
+    finally:
+        loop.close()

@@ -320,7 +320,7 @@ class AdmissionController:
         if never is not None:
             return cost, never
         band = min(max(request.band, 0), self.settings.priority_bands - 1)
-        ahead = self.queue.waiting_ahead_of(band)
+        ahead = self.queue.waiting_ahead_of(band, now)
         limit = self._server_refusal(request)
         fits = self._fits_now(request, cost, plan) if ahead == 0 or limit is not None else False
         if ahead == 0 and fits and limit is None:
@@ -626,17 +626,21 @@ class AdmissionController:
             if future.done():
                 result = future.result()
             else:
-                self.queue.remove(entry)
+                left = self.queue.remove(entry)
                 result = self._timed_out(request, cost, entry, deadline)
                 future.set_result(result)
+                if left:
+                    self._dispatch()  # it may have been the head that did not fit
         except asyncio.CancelledError:
             if future.done() and not future.cancelled():
                 outcome = future.result()
                 if isinstance(outcome, Ticket):
                     outcome.finish(completed=False)
             else:
-                self.queue.remove(entry)
+                left = self.queue.remove(entry)
                 future.cancel()
+                if left:
+                    self._dispatch()  # it may have been the head that did not fit
             self._report(Decision(Outcome.CANCELLED, "the client went away while queued",
                                   None, queued.details))
             raise

@@ -220,8 +220,27 @@ class AdmissionQueue:
                     level += entry.cost
         return ahead
 
-    def waiting_ahead_of(self, band: int) -> int:
-        return sum(b.size for number, b in self._bands.items() if number <= band)
+    def waiting_ahead_of(self, band: int, now_s: float) -> int:
+        """The requests served before a new one of `band` arriving at `now_s`: those of
+        bands as important, and those of less important bands the priority policy
+        serves first (starved past its bound)."""
+        ahead = sum(b.size for number, b in self._bands.items() if number <= band)
+        views = []
+        for number, waiting in self._bands.items():
+            oldest = waiting.oldest() if waiting.size and number > band else None
+            if oldest is not None:
+                views.append(BandView(number, waiting.size, oldest.arrival_s))
+        if not views:
+            return ahead
+        own = self._bands.get(band)
+        oldest_own = own.oldest() if own is not None and own.size else None
+        views.append(BandView(band, 1, now_s if oldest_own is None else oldest_own.arrival_s))
+        while True:
+            picked = self.priority.pick(views, now_s)
+            if picked == band:
+                return ahead
+            ahead += self._bands[picked].size
+            views = [v for v in views if v.band != picked]
 
     def oldest(self) -> Entry | None:
         oldest = [b.oldest() for b in self._bands.values() if b.size]

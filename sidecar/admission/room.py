@@ -307,7 +307,8 @@ class KVRoom:
         """The first step at which `request`, admitted then (just after a running
         request's last step), keeps the holdings within `limit_blocks` at every step
         after; inf when it does not fit even once every running request has ended.
-        Binary search over those steps: a later start finds fewer requests running."""
+        The steps are tried in order: a later start finds fewer requests running, but
+        those left larger, so a start that fits can come before one that does not."""
         ends = sorted({h.end_steps for h in running.holdings if h.end_steps > 0})
         starts = [0, *ends]
 
@@ -319,16 +320,10 @@ class KVRoom:
             later = RunningHoldings(running.tickets, shifted, running.base_blocks, 0)
             return self.fits(later, request, cost, plan, limit_blocks)
 
-        if not fits_from(starts[-1]):
-            return math.inf
-        low, high = 0, len(starts) - 1
-        while low < high:
-            mid = (low + high) // 2
-            if fits_from(starts[mid]):
-                high = mid
-            else:
-                low = mid + 1
-        return float(starts[low])
+        for start in starts:
+            if fits_from(start):
+                return float(start)
+        return math.inf
 
     def queued(self, request: AdmissionRequest, cost: RequestCost) -> Holding:
         """What a queued request will hold once admitted (prompt sharing not counted)."""
