@@ -187,9 +187,10 @@ def test_arrivals_refused_by_a_full_queue_are_priced_from_one_walk_of_it(
         walks: list[tuple[int, str]] = []
         ahead_of = ctl.queue.ahead_of
 
-        def counted(band: int, tenant: str) -> list[Entry]:
+        def counted(band: int, tenant: str, key: tuple[float, int] | None = None
+                    ) -> list[Entry]:
             walks.append((band, tenant))
-            return ahead_of(band, tenant)
+            return ahead_of(band, tenant, key)
 
         monkeypatch.setattr(ctl.queue, "ahead_of", counted)
 
@@ -1169,6 +1170,44 @@ def test_a_request_starved_past_the_bound_goes_before_new_arrivals_that_fit() ->
         assert late.done()
         for ticket in [*running, late.result()]:
             ticket.finish()  # type: ignore[attr-defined]
+        assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.reservations == 0
+    finally:
+        loop.close()
+
+
+def test_under_edf_a_tight_deadline_is_not_priced_behind_its_tenants_later_deadlines() -> None:
+    """Earliest deadline first serves a request with a deadline before its tenant's
+    queued requests without one: its predicted wait counts only the running request,
+    so it is queued (and goes in first), not refused for a wait it will not have."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock, ordering="edf", starvation_bound_s=None,
+                     limits=QueueLimits(max_wait_s=1e6))
+    loop = FakeClockLoop(clock)
+    try:
+        running = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=200))
+        running.first_token()  # type: ignore[attr-defined]
+        probe = loop.create_task(admit(ctl, prompt_tokens=300, max_tokens=200))
+        loop.run_until_complete(asyncio.sleep(0))
+        (entry,) = ctl.queue.entries()
+        alone_s = entry.payload.cost.deadline_prefill_s  # type: ignore[attr-defined]
+        alone_s += ctl._kv_wait_s(entry.payload.request, entry.payload.cost, 1)  # type: ignore[attr-defined]
+        others = [loop.create_task(admit(ctl, prompt_tokens=300, max_tokens=200))
+                  for _ in range(4)]  # 5 without a deadline, each the cache's whole room
+        tight = loop.create_task(admit(ctl, prompt_tokens=300, max_tokens=200,
+                                       ttft_slo_s=1.5 * alone_s))
+        loop.run_until_complete(asyncio.sleep(0))
+        assert not tight.done() and len(ctl.queue) == 6
+        running.finish()  # type: ignore[attr-defined]
+        loop.run_until_complete(asyncio.sleep(0))
+        assert tight.done() and not probe.done()
+        tight.result().finish()  # type: ignore[attr-defined]
+        for task in [probe, *others]:
+            loop.run_until_complete(asyncio.sleep(0))
+            task.cancel()
+        loop.run_until_complete(asyncio.sleep(0))
+        for task in [probe, *others]:
+            if task.done() and not task.cancelled():
+                task.result().finish()  # type: ignore[attr-defined]
         assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.reservations == 0
     finally:
         loop.close()

@@ -204,8 +204,8 @@ class AdmissionController:
         self.room = KVRoom(self.ledger, cost_model)
         self._room_cache: tuple[int, float, RunningHoldings] | None = None
         # The last walk of the queue (`_queue_ahead`): what it was computed from.
-        self._walk_memo: tuple[tuple[int, int, str, int], RunningHoldings,
-                               _QueueAhead | None] | None = None
+        self._walk_memo: tuple[tuple[int, int, str, int, tuple[float, int]],
+                               RunningHoldings, _QueueAhead | None] | None = None
 
     # ---- prefix caching ---------------------------------------------------------------
 
@@ -486,7 +486,9 @@ class AdmissionController:
         running = self._running_holdings(now)
         target = self.ledger.target_blocks
         step_s = self._step_s(now)
-        ahead = self._queue_ahead(running, band, request.tenant, target)
+        deadline = None if request.ttft_slo_s is None else now + request.ttft_slo_s
+        ahead = self._queue_ahead(running, band, request.tenant, target,
+                                  self.queue.newcomer_key(deadline))
         if plan is None:
             plan = self._plan(request)
         charge = self._charge(plan, cost)
@@ -504,17 +506,17 @@ class AdmissionController:
         return self._unexplained_wait_s(running, charge, step_s)
 
     def _queue_ahead(self, running: RunningHoldings, band: int, tenant: str,
-                     target: int) -> _QueueAhead | None:
-        """The requests queued ahead of a newcomer of `tenant` in `band`, walked through
-        the room in turn (`QueueWalk`); None when nobody is. Walked again only
-        when the queue, the running requests' holdings or the target changed: a full
-        queue refuses arrivals (each priced for its Retry-After) without walking it
-        for every one."""
-        key = (self.queue.version, band, tenant, target)
+                     target: int, order: tuple[float, int]) -> _QueueAhead | None:
+        """The requests queued ahead of a newcomer of `tenant` in `band` with the
+        ordering key `order`, walked through the room in turn (`QueueWalk`); None when
+        nobody is. Walked again only when the queue, the running requests' holdings or
+        the target changed: a full queue refuses arrivals (each priced for its
+        Retry-After) without walking it for every one."""
+        key = (self.queue.version, band, tenant, target, order)
         memo = self._walk_memo
         if memo is not None and memo[0] == key and memo[1] is running:
             return memo[2]
-        queued = [waiter for entry in self.queue.ahead_of(band, tenant)
+        queued = [waiter for entry in self.queue.ahead_of(band, tenant, order)
                   if isinstance(waiter := entry.payload, _Waiter)]
         ahead: _QueueAhead | None = None
         if queued:

@@ -24,6 +24,8 @@ from sidecar.admission.policies import (
     TenantView,
 )
 
+# The arrival order a request not yet pushed is compared with (after every waiting one).
+_NEWEST = 2 ** 62
 # Served-cost memory of tenants with empty queues, per band.
 _REMEMBERED_TENANTS = 4096
 
@@ -180,10 +182,17 @@ class AdmissionQueue:
         assert head is not None
         return band, name, head
 
-    def ahead_of(self, band: int, tenant: str) -> list[Entry]:
-        """The entries served before a request of `tenant` pushed now to `band`:
-        those of the more important bands, and of its own band those the fairness
-        policy takes first. Starvation promotions and the ordering within a tenant are
+    def newcomer_key(self, deadline_s: float | None) -> tuple[float, int]:
+        """The ordering key a request pushed now with `deadline_s` would get (after
+        every waiting one on a tie)."""
+        return self.ordering.key(EntryView(_NEWEST, 0.0, deadline_s))
+
+    def ahead_of(self, band: int, tenant: str,
+                 key: tuple[float, int] | None = None) -> list[Entry]:
+        """The entries served before a request of `tenant` pushed now to `band` (with
+        the ordering `key`, `newcomer_key`; None: after all of its tenant's): those of
+        the more important bands, and of its own band those the fairness policy takes
+        first, its own tenant's those its ordering puts first. Starvation promotions are
         not foreseen. (A list, built in comprehensions: with thousands queued, every
         arrival's predicted wait reads it.)"""
         ahead: list[Entry] = []
@@ -196,7 +205,8 @@ class AdmissionQueue:
                 continue
             mine = found.tenants.get(tenant)
             if mine is not None:
-                own = [entry for _, _, entry in mine.heap if not entry.removed]
+                own = [entry for item_key, _, entry in mine.heap
+                       if not entry.removed and (key is None or item_key <= key)]
                 ahead += own
                 served = mine.served_cost + sum(entry.cost for entry in own)
             else:
