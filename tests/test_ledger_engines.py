@@ -181,3 +181,12 @@ def test_each_engines_use_follows_its_reservations_between_observations() -> Non
     held.release()  # engine 0's 10 were kvgate's: the others' 50 stay until observed again
     assert ledger.snapshot().engine_used_blocks == (50, 60)
     assert ledger.place(45) == 0
+
+
+@pytest.mark.parametrize(("capacity", "ratio", "target"),
+                         [(90, 0.7, 63), (170, 0.7, 119), (100, 0.95, 95), (63, 0.95, 59),
+                          (1, 1.0, 1)])
+def test_the_target_is_the_ratio_of_the_capacity_rounded_down(capacity: int, ratio: float,
+                                                               target: int) -> None:
+    # 90 x 0.7 is 62.99... in floating point: the target is still 63 blocks.
+    assert Ledger(capacity, ratio).target_blocks == target

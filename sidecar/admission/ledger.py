@@ -274,7 +274,9 @@ class Ledger:
 
     @property
     def target_blocks(self) -> int:
-        return int(self.capacity_blocks * self.target_ratio)
+        # The tolerance keeps a product the float arithmetic leaves just short of an
+        # integer (90 x 0.7 = 62.99...) at that integer.
+        return int(self.capacity_blocks * self.target_ratio + 1e-9)
 
     @property
     def effective_used_blocks(self) -> int:
