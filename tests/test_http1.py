@@ -396,8 +396,15 @@ async def test_framing_a_smuggler_could_use_is_refused(
 async def test_a_repeated_equal_length_is_one_length(server: tuple[Script, Http1Pool]) -> None:
     script, pool = server
     script.answers.append(([b"HTTP/1.1 200 OK\r\nContent-Length: 3, 3\r\n\r\nabc"], False))
+    # Chunked wins over a length beside it: no length to frame the answer by.
+    script.answers.append(([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
+                            b"Content-Length: 3\r\n\r\nA\r\n0123456789\r\n0\r\n\r\n"], False))
     response = await pool.request("GET", "/x", [], None, 2.0)
+    assert response.body_length == 3  # the length parsed, which the proxy frames by
     assert await response.read() == b"abc"
+    response.close()
+    response = await pool.request("GET", "/x", [], None, 2.0)
+    assert response.body_length is None and await response.read() == b"0123456789"
     response.close()
 
 

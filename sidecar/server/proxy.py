@@ -326,7 +326,7 @@ async def _relay_response(request: Incoming, upstream: ForwardResponse,
             status=upstream.status, reason=upstream.reason, body=body, headers=headers)
         _settle(services, upstream, relay)
         return response
-    length = upstream.headers.get("Content-Length")
+    length = upstream.body_length
     # The body that came with the head goes out with it; the last of it with the end of
     # the answer: one write each where the server's answer was already there.
     first = upstream.take_received()
@@ -337,7 +337,7 @@ async def _relay_response(request: Incoming, upstream: ForwardResponse,
     if whole and events is not None:
         first += events.flush()
     response = await _start_stream(request, upstream.status, upstream.reason, headers,
-                                   int(length) if length is not None and not (gen and gen.stream)
+                                   length if length is not None and not (gen and gen.stream)
                                    else None, first, end=whole)
     if whole:
         _settle(services, upstream, relay)

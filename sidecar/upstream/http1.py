@@ -122,6 +122,7 @@ class _Connection(asyncio.Protocol):
         # Body framing: "length" (self._left bytes), "chunked", "close" (until EOF).
         self._framing = ""
         self._left = 0
+        self.body_length: int | None = None  # the body's length, when framed by one
         self._chunk_state = "size"  # size | data | data_end | trailer
         self.body_done = False
         self.keep_alive = True
@@ -222,6 +223,7 @@ class _Connection(asyncio.Protocol):
                 raise UpstreamProtocolError(f"bad Content-Length: {length[:40]!r}")
             length = next(iter(values))
             self._framing, self._left = "length", int(length)
+            self.body_length = self._left
             self.body_done = self._left == 0
             return
         self._framing, self.keep_alive = "close", False
@@ -358,6 +360,9 @@ class ForwardResponse:
                  read_timeout_s: float | None) -> None:
         assert connection.head is not None
         self.status, self.reason, self.headers = connection.head
+        # The length the body is framed by (None: chunked, until the connection closes,
+        # or no body): the one parsed, not the header as sent ("3, 3"; or beside chunked).
+        self.body_length = connection.body_length
         self._connection: _Connection | None = connection
         self._pool = pool
         self._read_timeout_s = read_timeout_s
