@@ -415,3 +415,18 @@ def test_the_plan_of_a_running_server_never_says_it_does_not_fit() -> None:
     assert running_plan["fits"] is True and running_plan["fit_problems"] == []
     assert running_plan["recommendation"]["max_num_seqs"] >= 1
     assert running_plan["num_gpu_blocks"] == offline["num_gpu_blocks"] == 1000
+
+
+def test_one_output_token_has_no_tpot_and_misses_no_tpot_target(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    args = ("--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--output-tokens", "1",
+            "--tpot-slo-ms", "0.001")
+    result = plan_json(capsys, *args)
+    rec = result["recommendation"]
+    assert isinstance(rec, dict)
+    assert result["tpot_s"] is None and result["tpot_p90_s"] is None
+    assert rec["tpot_p90_s_at_max"] is None and rec["targets_met"] is True
+    assert rec["limited_by"] != "tpot-slo"
+    assert main(["plan", *args]) == 0
+    report = capsys.readouterr().out
+    assert "- (one output token)" in report and "needs a GPU" not in report

@@ -217,7 +217,8 @@ def format_report(result: dict[str, Any]) -> str:
         latency_rows = [
             ["TTFT p50 / p90", f"{_ms(result['ttft_s'])} / {_ms(result['ttft_p90_s'])}"
              f"{_bound(result['prefill_bound'])}"],
-            ["TPOT p50 / p90", f"{_ms(result['tpot_s'])} / {_ms(result['tpot_p90_s'])}"
+            ["TPOT p50 / p90", "- (one output token)" if result["tpot_s"] is None
+             else f"{_ms(result['tpot_s'])} / {_ms(result['tpot_p90_s'])}"
              f"{_bound(result['decode_bound'])}"],
             ["E2E mean", _ms(result["e2e_s"])],
             ["closed form (one prefill beside c - 1 decodes)",
@@ -227,7 +228,7 @@ def format_report(result: dict[str, Any]) -> str:
         latency_rows = [
             ["TTFT", f"{_ms(result['ttft_s'])}{_bound(result['prefill_bound'])}"],
             ["TPOT", f"{_ms(result['tpot_s'])}{_bound(result['decode_bound'])}"],
-            ["E2E = TTFT + output x TPOT", _ms(result["e2e_s"])],
+            ["E2E = TTFT + (output - 1) x TPOT", _ms(result["e2e_s"])],
         ]
     rec = result["recommendation"]
     plan_rows = [
@@ -238,8 +239,9 @@ def format_report(result: dict[str, Any]) -> str:
     if rec.get("ttft_p90_s_at_max") is not None:
         plan_rows.append([f"p90 at {rec['max_num_seqs']} clients",
                           f"TTFT {_ms(rec['ttft_p90_s_at_max'])}, "
-                          f"TPOT {_ms(rec['tpot_p90_s_at_max'])}, "
-                          f"{rec['throughput_per_replica_per_s']:,.2f} req/s per replica"])
+                          + ("" if rec["tpot_p90_s_at_max"] is None
+                             else f"TPOT {_ms(rec['tpot_p90_s_at_max'])}, ")
+                          + f"{rec['throughput_per_replica_per_s']:,.2f} req/s per replica"])
     if rec.get("targets_met") is False:
         plan_rows.append(["targets", "NOT MET, even at the recommendation (see p90 above)"
                           if rec.get("source") == "simulator"

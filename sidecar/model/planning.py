@@ -61,7 +61,7 @@ def steady_latency(
 
     The others are taken halfway through their output: context = prompt + output/2.
     TTFT: the others' steps it waits for first, then its prefill (`ServedModel.ttft`);
-    E2E = TTFT + output x TPOT. `cached_tokens` of the prompt are prefix-cache hits.
+    E2E = TTFT + (output - 1) x TPOT. `cached_tokens` of the prompt are prefix-cache hits.
     """
     if served.roofline is None:
         return None

@@ -47,15 +47,16 @@ class LoadPoint:
     max_num_seqs: int
     ttft_p50_s: float
     ttft_p90_s: float
-    tpot_p50_s: float
-    tpot_p90_s: float
+    tpot_p50_s: float | None  # None: one output token, no time per output token
+    tpot_p90_s: float | None
     e2e_mean_s: float
     throughput_per_s: float
     preemptions: int
 
     def meets(self, ttft_target_s: float | None, tpot_target_s: float | None) -> str | None:
         """The first target missed at p90 ("tpot-slo", "ttft-slo"), or None."""
-        if tpot_target_s is not None and self.tpot_p90_s > tpot_target_s:
+        if (tpot_target_s is not None and self.tpot_p90_s is not None
+                and self.tpot_p90_s > tpot_target_s):
             return "tpot-slo"
         if ttft_target_s is not None and self.ttft_p90_s > ttft_target_s:
             return "ttft-slo"
@@ -123,10 +124,14 @@ class PlanSimulator:
             value = summary[name][stat]
             return 0.0 if value is None else float(value)
 
+        def tpot(stat: str) -> float | None:  # none with one output token
+            value = summary["tpot_s"][stat]
+            return None if value is None else float(value)
+
         return LoadPoint(
             clients, rate, seats,
             figure("ttft_s", "p50"), figure("ttft_s", "p90"),
-            figure("tpot_s", "p50"), figure("tpot_s", "p90"),
+            tpot("p50"), tpot("p90"),
             figure("e2e_s", "mean"),
             float(summary["throughput_requests_per_s"] or 0.0),
             int(summary["preemptions"]),
