@@ -430,3 +430,14 @@ def test_one_output_token_has_no_tpot_and_misses_no_tpot_target(
     assert main(["plan", *args]) == 0
     report = capsys.readouterr().out
     assert "- (one output token)" in report and "needs a GPU" not in report
+
+
+def test_with_data_parallel_engines_the_replicas_are_engines_and_servers_are_counted_apart(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--arrival-rate", "60"]
+    alone = plan_json(capsys, *args[1:])
+    rec = alone["recommendation"]
+    assert isinstance(rec, dict) and rec["replicas"] == 3
+    assert main([*args, "--data-parallel-size", "4"]) == 0
+    assert ("3 engines: 1 server(s) of --data-parallel-size 4, or 3 pods of the chart"
+            in capsys.readouterr().out)

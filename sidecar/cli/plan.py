@@ -249,7 +249,11 @@ def format_report(result: dict[str, Any]) -> str:
     if rec["concurrency_needed"] is not None:
         plan_rows.append([f"in flight at {rec['arrival_rate']:g} req/s (Little's law)",
                           f"{rec['concurrency_needed']:,.1f}"])
-        plan_rows.append(["replicas needed", str(rec["replicas"])])
+        replicas, engines = rec["replicas"], result["data_parallel_size"]
+        plan_rows.append(["replicas needed", str(replicas) if engines == 1 or replicas is None
+                          else f"{replicas} engines: {-(-replicas // engines)} server(s) of "
+                               f"--data-parallel-size {engines}, or {replicas} pods of the "
+                               "chart (one engine each)"])
     blocks = result["request_kv_blocks"]
     plan_rows.append(["KV blocks one request holds", f"{blocks['peak']:,} at its peak "
                       f"({blocks['prefill']:,} prefilling, {blocks['decoding']:,} decoding)"])
