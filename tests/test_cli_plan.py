@@ -441,3 +441,15 @@ def test_with_data_parallel_engines_the_replicas_are_engines_and_servers_are_cou
     assert main([*args, "--data-parallel-size", "4"]) == 0
     assert ("3 engines: 1 server(s) of --data-parallel-size 4, or 3 pods of the chart"
             in capsys.readouterr().out)
+
+
+def test_helm_values_without_a_gpu_say_the_rate_and_targets_were_not_used(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "Qwen/Qwen3-8B", "--arrival-rate", "5", "--ttft-slo-ms",
+                 "500", "--print", "helm-values"]) == 0
+    captured = capsys.readouterr()
+    assert "replicaCount: 1" in captured.out
+    assert "not sized for the rate and targets given" in captured.err
+    assert main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--arrival-rate", "5",
+                 "--print", "helm-values"]) == 0
+    assert "not sized" not in capsys.readouterr().err

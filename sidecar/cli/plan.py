@@ -451,6 +451,10 @@ def helm_values(result: dict[str, Any], args: argparse.Namespace) -> str:
     if args.data_parallel_size > 1:
         _note("the chart runs one engine per pod (gpu.count is its tensor-parallel size): "
               "--data-parallel-size is left out; scale with replicaCount instead")
+    if result["fits"] is None and (args.arrival_rate or args.ttft_slo_ms or args.tpot_slo_ms):
+        _note("without a GPU or a logged KV budget neither capacity nor latency is known: "
+              "replicaCount and maxNumSeqs are not sized for the rate and targets given "
+              "(give --gpu or --available-kv-gib)")
     lines = [
         "# Values for the kvgate chart (helm/kvgate), from `kvgate plan`",
         "model:",
