@@ -152,8 +152,9 @@ def test_vllm_args_and_helm_values(capsys: pytest.CaptureFixture[str]) -> None:
           "100", "--gpu-tflops", "10"], "--gpu-memory-gib: expected a size in GiB of at most"),
         (["--model", "Qwen/Qwen3-8B", "--available-kv-gib", "1e300"],
          "--available-kv-gib: expected a size in GiB of at most"),
-        (["--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--max-model-len", "1000"],
-         "--prompt-tokens 1,024 + --output-tokens 256 = 1,280 tokens is more than "
+        (["--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--max-model-len", "1000",
+          "--output-tokens", "100"],
+         "--prompt-tokens 1,024 + --output-tokens 100 = 1,124 tokens is more than "
          "--max-model-len 1,000"),
         (["--model", "Qwen/Qwen3-8B", "--chain", "10:x"], "--chain entry '10:x'"),
         (["--model", "Qwen/Qwen3-8B", "--gpu-memory-utilization", "2"], "in (0, 1]"),
@@ -277,7 +278,8 @@ def test_a_request_longer_than_max_model_len_is_bad_input(
         capsys: pytest.CaptureFixture[str]) -> None:
     # vLLM refuses every request of prompt + max_tokens past --max-model-len: a plan of
     # such requests (or its vLLM flags) would describe a server that serves none.
-    for extra in (["--max-model-len", "512"], ["--prompt-tokens", "100000"]):
+    for extra in (["--max-model-len", "512", "--prompt-tokens", "300", "--output-tokens",
+                   "300"], ["--prompt-tokens", "100000"]):
         with pytest.raises(SystemExit) as exit_info:
             main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", *extra,
                   "--print", "vllm-args"])
@@ -287,6 +289,14 @@ def test_a_request_longer_than_max_model_len_is_bad_input(
         assert "is more than --max-model-len" in captured.err
     assert main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--max-model-len",
                  "1280", "--json"]) == 0  # 1,024 + 256: exactly fits
+    assert json.loads(capsys.readouterr().out)["prompt_tokens"] == 1024
+    # The default request, not given, is shortened to fit (a capacity question).
+    assert main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--max-model-len",
+                 "1000", "--json"]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)
+    assert (result["prompt_tokens"], result["output_tokens"]) == (750, 250)
+    assert "latency is planned for 750 + 250" in captured.err
 
 
 def test_without_a_gpu_what_is_not_known_is_null(capsys: pytest.CaptureFixture[str]) -> None:

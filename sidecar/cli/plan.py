@@ -51,6 +51,11 @@ wrong).
 Known GPUs: """
 
 
+# The request planned when none is given.
+DEFAULT_PROMPT_TOKENS = 1024
+DEFAULT_OUTPUT_TOKENS = 256
+
+
 def build_parser(prog: str = "kvgate plan") -> Parser:
     parser = Parser(
         prog=prog,
@@ -64,10 +69,11 @@ def build_parser(prog: str = "kvgate plan") -> Parser:
     load.add_argument("--sequence-tokens", type=positive_int, metavar="S",
                       help="tokens of one sequence for kv_bytes_per_sequence "
                            "(default: max-model-len)")
-    load.add_argument("--prompt-tokens", type=positive_int, default=1024, metavar="P",
-                      help="prompt tokens per request (default: 1024)")
-    load.add_argument("--output-tokens", type=positive_int, default=256, metavar="O",
-                      help="output tokens per request (default: 256)")
+    load.add_argument("--prompt-tokens", type=positive_int, metavar="P",
+                      help=f"prompt tokens per request (default: {DEFAULT_PROMPT_TOKENS}, "
+                           "less where --max-model-len is shorter)")
+    load.add_argument("--output-tokens", type=positive_int, metavar="O",
+                      help=f"output tokens per request (default: {DEFAULT_OUTPUT_TOKENS})")
     load.add_argument("--concurrency", type=positive_int, default=1, metavar="C",
                       help="clients in a closed loop (each sends its next request when the "
                       "previous one ends) for TTFT/TPOT/E2E (default: 1)")
@@ -126,19 +132,42 @@ def _note(line: str) -> None:
     print(f"kvgate plan: note: {line}", file=sys.stderr)
 
 
+def _request_tokens(args: argparse.Namespace, max_model_len: int) -> tuple[int, int]:
+    """The planned request's prompt and output tokens. A request the user gave that is
+    longer than max_model_len is bad input (vLLM refuses every such request); the
+    default one is shortened to fit, with a note."""
+    prompt, output = args.prompt_tokens, args.output_tokens
+    default = DEFAULT_PROMPT_TOKENS + DEFAULT_OUTPUT_TOKENS
+    if prompt is None and output is None and default > max_model_len:
+        output = max(1, min(DEFAULT_OUTPUT_TOKENS, max_model_len // 4))
+        prompt = max(1, max_model_len - output)
+        _note(f"the default request ({DEFAULT_PROMPT_TOKENS:,} + {DEFAULT_OUTPUT_TOKENS:,} "
+              f"tokens) is longer than --max-model-len {max_model_len:,}: latency is planned "
+              f"for {prompt:,} + {output:,} (give --prompt-tokens and --output-tokens)")
+        return prompt, output
+    prompt = DEFAULT_PROMPT_TOKENS if prompt is None else prompt
+    output = DEFAULT_OUTPUT_TOKENS if output is None else output
+    if prompt + output > max_model_len:
+        raise ModelError(
+            f"--prompt-tokens {prompt:,} + --output-tokens {output:,} = {prompt + output:,} "
+            f"tokens is more than --max-model-len {max_model_len:,}: vLLM refuses every such "
+            "request; raise --max-model-len or plan shorter requests")
+    return prompt, output
+
+
 def plan_input(args: argparse.Namespace) -> PlanInput:
-    if args.shared_prefix_tokens > args.prompt_tokens:
+    prompt = DEFAULT_PROMPT_TOKENS if args.prompt_tokens is None else args.prompt_tokens
+    if args.shared_prefix_tokens > prompt:
         raise ModelError(
             f"--shared-prefix-tokens {args.shared_prefix_tokens:,} is more than --prompt-tokens "
-            f"{args.prompt_tokens:,}: the shared prefix is the start of every prompt")
+            f"{prompt:,}: the shared prefix is the start of every prompt")
     served = served_model_from_args(args, _note)
-    request_tokens = args.prompt_tokens + args.output_tokens
-    if request_tokens > served.max_model_len:
+    prompt_tokens, output_tokens = _request_tokens(args, served.max_model_len)
+    if args.shared_prefix_tokens > prompt_tokens:
         raise ModelError(
-            f"--prompt-tokens {args.prompt_tokens:,} + --output-tokens {args.output_tokens:,} "
-            f"= {request_tokens:,} tokens is more than --max-model-len "
-            f"{served.max_model_len:,}: vLLM refuses every such request; raise "
-            "--max-model-len or plan shorter requests")
+            f"--shared-prefix-tokens {args.shared_prefix_tokens:,} is more than the "
+            f"{prompt_tokens:,} prompt tokens planned: the shared prefix is the start of "
+            "every prompt")
     context = served.arch.context
     if context.limit is not None and served.max_model_len > context.limit:
         _note(f"--max-model-len {served.max_model_len:,} is beyond the model's "
@@ -147,8 +176,8 @@ def plan_input(args: argparse.Namespace) -> PlanInput:
     return PlanInput(
         served=served,
         sequence_tokens=args.sequence_tokens or served.max_model_len,
-        prompt_tokens=args.prompt_tokens,
-        output_tokens=args.output_tokens,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
         concurrency=args.concurrency,
         arrival_rate=args.arrival_rate,
         ttft_slo_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None,
