@@ -156,18 +156,12 @@ def _request_tokens(args: argparse.Namespace, max_model_len: int) -> tuple[int, 
 
 
 def plan_input(args: argparse.Namespace) -> PlanInput:
-    prompt = DEFAULT_PROMPT_TOKENS if args.prompt_tokens is None else args.prompt_tokens
-    if args.shared_prefix_tokens > prompt:
-        raise ModelError(
-            f"--shared-prefix-tokens {args.shared_prefix_tokens:,} is more than --prompt-tokens "
-            f"{prompt:,}: the shared prefix is the start of every prompt")
     served = served_model_from_args(args, _note)
     prompt_tokens, output_tokens = _request_tokens(args, served.max_model_len)
     if args.shared_prefix_tokens > prompt_tokens:
         raise ModelError(
-            f"--shared-prefix-tokens {args.shared_prefix_tokens:,} is more than the "
-            f"{prompt_tokens:,} prompt tokens planned: the shared prefix is the start of "
-            "every prompt")
+            f"--shared-prefix-tokens {args.shared_prefix_tokens:,} is more than --prompt-tokens "
+            f"{prompt_tokens:,}: the shared prefix is the start of every prompt")
     context = served.arch.context
     if context.limit is not None and served.max_model_len > context.limit:
         _note(f"--max-model-len {served.max_model_len:,} is beyond the model's "

@@ -119,11 +119,9 @@ class SimulationResult:
         arrive (a closed loop's start-up wave, for its steady state); the counts,
         throughput, ITL and KV figures cover the whole run."""
         done = self.completed
-        measured = done
-        if warmup_requests > 0:
-            skipped = {id(r) for r in sorted(self.records,
-                                             key=lambda r: r.request.arrival_s)[:warmup_requests]}
-            measured = [r for r in done if id(r) not in skipped]
+        measured = done if warmup_requests <= 0 else [
+            r for r in sorted(self.records, key=lambda r: r.request.arrival_s)[warmup_requests:]
+            if r.finish_s is not None]
         ttft = [r.ttft_s for r in measured if r.ttft_s is not None]
         tpot = [r.tpot_s for r in measured if r.tpot_s is not None]
         e2e = [r.e2e_s for r in measured if r.e2e_s is not None]
