@@ -158,6 +158,7 @@ async def test_the_reservation_covers_what_vllm_holds_and_follows_it_down(
             peaks: list[int] = []
             headers: list[int] = []
             groups = len(plan(sidecar, 870, 70)["kv_layout"])
+            misses = 0
             # vLLM's gauge shows a sliding-window request's prefill peak for one step
             # only, and a sampler on a busy machine can miss it in a row: a sample is a
             # lower bound of what vLLM held, so look again (at most 30 requests, ~0.5 s
@@ -172,7 +173,11 @@ async def test_the_reservation_covers_what_vllm_holds_and_follows_it_down(
                     await asyncio.sleep(0.2)
                 assert result["status"] == 200, result
                 headers.append(int(result["headers"]["x-kvgate-kv-blocks"]))
-                assert sampler.peak_used > 0, "no sample of vLLM while the request ran"
+                if sampler.peak_used == 0:
+                    # No answer of vLLM's /metrics fell inside the request: its API
+                    # server, busy streaming, answered it after. Nothing to compare.
+                    misses += 1
+                    continue
                 # vLLM never holds more than kvgate reserves for the request.
                 for since, until, used in sampler.changes_while_reserved():
                     assert used <= sampler.reserved_around(since, until), (
@@ -182,8 +187,9 @@ async def test_the_reservation_covers_what_vllm_holds_and_follows_it_down(
                     # Past the prefill the window is all it holds, and all kvgate keeps.
                     held = [blocks for _, blocks in sampler.ours if blocks]
                     assert held and min(held) < headers[-1], held
-                if attempt >= 2 and headers[0] <= max(peaks) + groups:
+                if len(peaks) >= 3 and headers[0] <= max(peaks) + groups:
                     break
+        assert peaks, f"no sample of vLLM while any of {misses} requests ran"
         # At its peak the reservation is at most one block per KV cache group above
         # what vLLM held, and never below it.
         assert max(peaks) <= headers[0] <= max(peaks) + groups, (peaks, headers)
