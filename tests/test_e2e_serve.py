@@ -180,6 +180,23 @@ async def test_bad_input_gets_clear_errors_and_kvgate_keeps_serving(sidecar: Sid
             assert (await response.json())["data"][0]["id"] == "tiny-llama"
 
 
+async def test_a_head_is_answered_with_the_server_s_status_and_length(
+    small_kv_vllm: VllmServer, sidecar: Sidecar
+) -> None:
+    """A HEAD passes through with what the server said: its status, and the length of
+    the body the GET would have (no body)."""
+    async with aiohttp.ClientSession() as session:
+        for path in ("/v1/models", "/health"):
+            answers = []
+            for base in (small_kv_vllm.url, sidecar.url):
+                async with session.head(base + path) as response:
+                    answers.append((response.status, response.headers.get("Content-Length"),
+                                    await response.read()))
+            direct, gated = answers
+            assert gated == direct, (path, direct, gated)
+            assert direct[2] == b""
+
+
 def test_the_plan_route_answers_under_load_from_the_engine_simulator(sidecar: Sidecar) -> None:
     """GET /kvgate/v1/plan gives what `kvgate plan --json` gives for the served model:
     latency at the asked concurrency and the recommendation from the simulator."""

@@ -375,6 +375,10 @@ def test_the_same_on_uvloop() -> None:
     b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabcd",
     b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
     b"HTTP/1.1 2\xc2\xb200 OK\r\nContent-Length: 0\r\n\r\n",
+    # Lines not ended by CRLF: a client would read another header, or another answer.
+    b"HTTP/1.1 200 OK\r\nX-A: 1\rContent-Length: 9\r\nContent-Length: 0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nX-A: 1\nContent-Length: 9\r\nContent-Length: 0\r\n\r\n",
+    b"HTTP/1.1 200 OK\r\nX-A: 1\0\r\nContent-Length: 0\r\n\r\n",
 ])
 async def test_framing_a_smuggler_could_use_is_refused(
         server: tuple[Script, Http1Pool], answer: bytes) -> None:

@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given
@@ -297,3 +298,27 @@ def test_only_kvgate_s_request_id_and_no_steering_go_upstream() -> None:
     sent = RequestRecord("kv-1", "POST", "/v1/completions").upstream_headers(
         _forward_headers(client, _NOT_FORWARDED))
     assert sent == [("Accept", "a"), ("accept", "b"), ("X-Request-Id", "kv-1")]
+
+
+def test_headers_the_connection_header_names_go_no_further() -> None:
+    from types import SimpleNamespace
+
+    from multidict import CIMultiDict, CIMultiDictProxy
+
+    from sidecar.server.proxy import _NOT_FORWARDED, _forward_headers, _response_headers
+
+    # RFC 9110, 7.6.1: each header a Connection header names is for this hop only.
+    client = CIMultiDictProxy(CIMultiDict([
+        ("Connection", "keep-alive, X-Hop"), ("connection", " X-Other ,"),
+        ("X-Hop", "1"), ("x-other", "2"), ("Authorization", "Bearer t"), ("X-Kept", "3")]))
+    assert _forward_headers(client, _NOT_FORWARDED) == [("Authorization", "Bearer t"),
+                                                        ("X-Kept", "3")]
+    upstream: Any = SimpleNamespace(headers=CIMultiDict([
+        ("Content-Type", "text/plain"), ("Connection", "X-Hop"), ("X-Hop", "1"),
+        ("Content-Length", "31"), ("Keep-Alive", "timeout=5")]))
+    assert _response_headers(upstream, None) == [("Content-Type", "text/plain")]
+    # A HEAD's answer keeps the length of the body its GET would have.
+    assert _response_headers(upstream, None, head=True) == [
+        ("Content-Type", "text/plain"), ("Content-Length", "31")]
+    upstream.headers["Content-Length"] = "31, 31"  # not one plain length: not passed on
+    assert _response_headers(upstream, None, head=True) == [("Content-Type", "text/plain")]

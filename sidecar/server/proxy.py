@@ -16,11 +16,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from multidict import MultiMapping
 
 from sidecar.admission import AdmissionRequest, Rejected, Ticket
 from sidecar.server import access_log
@@ -74,19 +74,41 @@ BROKEN_EVENT = (b'{"error": {"message": "the model server failed mid-stream", '
                 b'"type": "api_error", "code": "upstream_failed", "param": null}}')
 
 
-def _forward_headers(headers: Mapping[str, str], drop: frozenset[str]
+def _with_connection_named(headers: MultiMapping[str], drop: frozenset[str]
+                           ) -> frozenset[str]:
+    """`drop`, and the headers a Connection header names: those are hop-by-hop too, for
+    this connection only (RFC 9110, 7.6.1), and a proxy does not pass them on."""
+    named = {token.strip().lower() for value in headers.getall("Connection", ())
+             for token in value.split(",")}
+    named -= _CONNECTION_OPTIONS
+    return drop | named if named else drop
+
+
+# Connection's options that name no header.
+_CONNECTION_OPTIONS = frozenset({"", "close", "keep-alive"})
+
+
+def _forward_headers(headers: MultiMapping[str], drop: frozenset[str]
                      ) -> list[tuple[str, str]]:
-    """The client's headers less those in `drop` (lower-case names), in their order."""
+    """The client's headers less those in `drop` (lower-case names) and those its
+    Connection header names, in their order."""
+    drop = _with_connection_named(headers, drop)
     return [(name, value) for name, value in headers.items() if name.lower() not in drop]
 
 
-def _response_headers(upstream: ForwardResponse, ticket: Ticket | None
+def _response_headers(upstream: ForwardResponse, ticket: Ticket | None, *, head: bool = False
                       ) -> list[tuple[str, str]]:
-    """The server's headers (less hop-by-hop ones and kvgate's own names), and kvgate's
-    figures when admitted."""
-    drop = HOP_BY_HOP if ticket is None else _NOT_WITH_FIGURES
+    """The server's headers (less hop-by-hop ones, those its Connection header names and
+    kvgate's own names), and kvgate's figures when admitted. The answer to a HEAD keeps
+    the server's Content-Length: the length its GET would have, with no body here."""
+    drop = _with_connection_named(upstream.headers,
+                                  HOP_BY_HOP if ticket is None else _NOT_WITH_FIGURES)
     headers = [(name, value) for name, value in upstream.headers.items()
                if name.lower() not in drop]
+    if head:
+        length = upstream.headers.get("Content-Length", "")
+        if length.isdigit() and length.isascii():
+            headers.append(("Content-Length", length))
     if ticket is not None:
         cost = ticket.cost
         values = (f"{ticket.queue_wait_s * 1000:.1f}", f"{ticket.predicted_ttft_s * 1000:.1f}",
@@ -313,7 +335,7 @@ async def _relay_response(request: Incoming, upstream: ForwardResponse,
                           relay: _Relay, gen: GenerationRequest | None,
                           ticket: Ticket | None) -> web.StreamResponse:
     relay.refusal = RefusalWatch(upstream.status)
-    headers = _response_headers(upstream, ticket)
+    headers = _response_headers(upstream, ticket, head=request.method == "HEAD")
     # Streams are passed on in whole events, so that the error event below is never
     # glued to half an event.
     events = (EventAligner() if gen is not None and gen.stream

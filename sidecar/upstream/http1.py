@@ -184,8 +184,13 @@ class _Connection(asyncio.Protocol):
                 if len(self._buffer) > MAX_HEAD_BYTES:
                     raise UpstreamProtocolError("response head too large")
                 return False
+            raw = bytes(self._buffer[:end])
+            loose = raw.replace(b"\r\n", b"")
+            if b"\r" in loose or b"\n" in loose or b"\0" in loose:
+                # A line not ended by CRLF, or NUL: no header of it can be passed on.
+                raise UpstreamProtocolError("a bare CR, a bare LF or a NUL in the response head")
             # As aiohttp decodes headers: its server writes them back byte for byte.
-            lines = bytes(self._buffer[:end]).decode("utf-8", "surrogateescape").split("\r\n")
+            lines = raw.decode("utf-8", "surrogateescape").split("\r\n")
             del self._buffer[:end + 4]
             version, _, rest = lines[0].partition(" ")
             code, _, reason = rest.partition(" ")
