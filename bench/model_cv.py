@@ -87,18 +87,23 @@ FAMILIES = {"llama-2": "Llama-2", "llama-3": "Llama-3", "mistral": "Mistral-7B",
             "mixtral": "Mixtral", "qwen": "Qwen", "gpt-oss": "gpt-oss"}
 
 # A fixed prior, not fitted to any row: half of peak FLOP/s (per engine), 70% of peak
-# bandwidth, 20 us per layer, overlap complete, 1 ms per step, 10 ms per request, 10 us
-# per all-reduce.
+# bandwidth (the KV cache's traffic as fast as the weights'), 20 us per layer, overlap
+# complete, 1 ms per step, 10 ms per request, 10 us per all-reduce.
 NEUTRAL_START: dict[str, float] = {
     "bandwidth": 0.7, "per_layer_s": 20e-6, "serial_fraction": 0.0,
     **{f"{engine}.{name}": value for engine in ENGINES for name, value in
        (("compute", 0.5), ("per_step_s", 1e-3), ("per_request_s", 10e-3),
-        ("allreduce_latency_s", 10e-6))},
+        ("allreduce_latency_s", 10e-6), ("kv_bandwidth_ratio", 1.0))},
 }
 HARDWARE = (("bandwidth", 0.3, 1.0), ("per_layer_s", 0.0, 2e-4),
             ("serial_fraction", 0.0, 1.0))
 ENGINE_BOUNDS = (("compute", 0.2, 1.0), ("per_step_s", 0.0, 1e-2), ("per_request_s", 0.0, 0.1),
                 ("allreduce_latency_s", 0.0, 1e-4))
+# The share of the weights' bandwidth an engine's attention kernels reach on the KV
+# cache, fitted on the engine's rows under load after the rest (`fit_kv_bandwidth`):
+# one request at a time, a step reads one sequence's cache beside all the weights.
+KV_RATIO = "kv_bandwidth_ratio"
+ENGINE_TERM_NAMES = (*(name for name, _, _ in ENGINE_BOUNDS), KV_RATIO)
 MIN_ROWS_PER_ENGINE = 3
 BANDS = ("concurrency 1", "concurrency > 1")
 
@@ -153,14 +158,14 @@ def efficiency_for(values: dict[str, float], engine: str) -> Efficiency:
     """The efficiency of `engine`'s rows under the fit's `values`."""
     base = replace(DEFAULT_EFFICIENCY, **{name: values[name] for name, _, _ in HARDWARE})
     return base.with_engine(EngineTerms(
-        **{name: values[f"{engine}.{name}"] for name, _, _ in ENGINE_BOUNDS}))
+        **{name: values[f"{engine}.{name}"] for name in ENGINE_TERM_NAMES}))
 
 
 def committed_values() -> dict[str, float]:
     """The shipped constants (`DEFAULT_EFFICIENCY`, `ENGINE_TERMS`) as the fit's values."""
     values = {name: float(getattr(DEFAULT_EFFICIENCY, name)) for name, _, _ in HARDWARE}
     for engine in ENGINES:
-        for name, _, _ in ENGINE_BOUNDS:
+        for name in ENGINE_TERM_NAMES:
             values[f"{engine}.{name}"] = float(getattr(ENGINE_TERMS[engine], name))
     return values
 
@@ -241,7 +246,8 @@ def fit(cases: Sequence[LatencyCase], rounds: int = 5,
     """Coordinate search over the physics and engine terms, on the steady rows of
     `cases`, from NEUTRAL_START with each fitted engine's cost per request started at
     each of `starts_s`; the lowest training objective wins (the first start
-    on a tie). Engines with fewer than MIN_ROWS_PER_ENGINE rows keep the prior.
+    on a tie). Engines with fewer than MIN_ROWS_PER_ENGINE rows keep the prior. Then
+    each engine's KV cache bandwidth, on its rows under load (`fit_kv_bandwidth`).
     Deterministic."""
     steady = [c for c in cases if c.kind == "steady"]
     rows = {engine: sum(1 for c in steady if c.engine == engine) for engine in ENGINES}
@@ -262,7 +268,53 @@ def fit(cases: Sequence[LatencyCase], rounds: int = 5,
         if best is None or value_score < best[0] - 1e-9:
             best = (value_score, values)
     assert best is not None
-    return best[1]
+    values = best[1]
+    for engine in fitted:
+        loaded = [c for c in cases if c.kind != "steady" and c.engine == engine]
+        if len(loaded) >= MIN_ROWS_PER_ENGINE:
+            values = fit_kv_bandwidth(values, engine, loaded)
+    return values
+
+
+# The KV cache's share of the weights' bandwidth the fit tries, then refined around
+# the best by factors of 2^(1/4) and 2^(1/8) (never above 1).
+KV_RATIO_GRID = (1.0, 0.71, 0.5, 0.35, 0.25)
+# Requests per client of a closed-loop row while fitting (20 when predicting): its
+# medians move by about 1%, five times faster.
+FIT_REQUESTS_PER_CLIENT = 5
+
+
+def fit_kv_bandwidth(values: dict[str, float], engine: str,
+                     loaded: Sequence[LatencyCase]) -> dict[str, float]:
+    """`values` with the engine's KV cache bandwidth (its share of the weights') fitted on
+    its rows under load (`loaded`: bursts and closed loops, by the engine simulator),
+    where many sequences' caches are read each step: the median |log(model /
+    measured)| of their TTFT and TPOT, over KV_RATIO_GRID and then around the best. The
+    largest of equal scores wins (the prior's 1 first); deterministic."""
+    name = f"{engine}.{KV_RATIO}"
+
+    def score(ratio: float) -> float:
+        efficiency = efficiency_for({**values, name: ratio}, engine)
+        errors = []
+        for case in loaded:
+            assert case.ttft_ms is not None
+            if case.kind == "closed":
+                ttft, tpot, _ = predict_closed(case, efficiency, FIT_REQUESTS_PER_CLIENT)
+            else:
+                ttft, tpot = predict_burst(case, efficiency)
+            errors.append(abs(math.log(ttft * 1e3 / case.ttft_ms)))
+            if case.tpot_ms is not None and case.tpot_priced:
+                errors.append(abs(math.log(tpot * 1e3 / case.tpot_ms)))
+        return statistics.median(errors)
+
+    scores = {ratio: score(ratio) for ratio in KV_RATIO_GRID}
+    best = min(scores, key=lambda r: (scores[r], -r))
+    for factor in (2 ** 0.25, 2 ** 0.125):
+        for candidate in (best / factor, min(1.0, best * factor)):
+            if candidate not in scores:
+                scores[candidate] = score(candidate)
+        best = min(scores, key=lambda r: (scores[r], -r))
+    return {**values, name: best}
 
 
 def _coordinate_search(score: Callable[[dict[str, float]], float],
@@ -308,7 +360,9 @@ def predict_burst(case: LatencyCase, efficiency: Efficiency) -> tuple[float, flo
 CLOSED_LOOP_REQUESTS_PER_CLIENT = 20
 
 
-def predict_closed(case: LatencyCase, efficiency: Efficiency) -> tuple[float, float, float]:
+def predict_closed(case: LatencyCase, efficiency: Efficiency,
+                   requests_per_client: int = CLOSED_LOOP_REQUESTS_PER_CLIENT
+                   ) -> tuple[float, float, float]:
     """Median TTFT, TPOT and inter-token latency (s) of `case.num_prompts` clients in a
     closed loop, all starting at once, as `vllm bench serve --max-concurrency C
     --request-rate inf` runs them (or as the row's client paused: its first requests
@@ -316,7 +370,7 @@ def predict_closed(case: LatencyCase, efficiency: Efficiency) -> tuple[float, fl
     simulator."""
     served = case.served().with_efficiency(efficiency)
     clients = case.num_prompts
-    workload = ClosedLoop(clients, CLOSED_LOOP_REQUESTS_PER_CLIENT * clients,
+    workload = ClosedLoop(clients, requests_per_client * clients,
                           Lengths(case.input_len, case.output_len),
                           ramp_s=case.first_pause_s, jitter_s=case.pause_s)
     summary = simulate(served, workload, EngineConfig.of(served)).summary()
@@ -483,8 +537,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         run.update({
             "method": "leave one model family out, and leave one source out; fit on the "
                       "other groups' steady rows from a fixed prior (the best of 3 starts of "
-                      "each engine's cost per request); burst and closed-loop "
-                      "rows predicted by the engine simulator",
+                      "each engine's cost per request), then each engine's KV cache "
+                      "bandwidth on the other groups' rows under load; burst and "
+                      "closed-loop rows predicted by the engine simulator",
             "families": FAMILIES, "prior": NEUTRAL_START,
             "per_request_starts_s": list(args.per_request_starts_ms), **record,
             "seconds": round(time.perf_counter() - started, 1),

@@ -110,9 +110,12 @@ class Calibrator:
         self._fit = RobustFit(self._rates_of(prior, served), [*BOUNDS])
         self._fitted = False  # any observation for this key yet
         self._counts = {"decode": 0, "prefill": 0}
+        # The KV cache's traffic keeps the prior's share of the weights' bandwidth: the
+        # fitted memory rate scales both (one server's contexts seldom separate them).
         ideal = Efficiency(compute=1.0, bandwidth=1.0, per_layer_s=0.0, per_step_s=0.0,
                            allreduce_latency_s=prior.allreduce_latency_s, per_request_s=0.0,
-                           serial_fraction=1.0, per_sequence_s=0.0)
+                           serial_fraction=1.0, per_sequence_s=0.0,
+                           kv_bandwidth_ratio=prior.kv_bandwidth_ratio)
         self._ideal = served.with_efficiency(ideal)
         self._features.clear()
 

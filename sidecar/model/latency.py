@@ -7,11 +7,13 @@ decoding request (attending to its whole context). Its time is
     max(compute_s, memory_s) + serial_fraction x min(compute_s, memory_s)
       + tensor-parallel all-reduces + per-layer and per-step overheads
 
-with compute_s = FLOPs / (eta_compute x peak) and memory_s = bytes / (eta_bandwidth
-x bandwidth), where bytes are the weights streamed once per step (routed experts
-only in the share the batch touches), the KV cache the batch reads and writes, and
-FLOPs are 2 x active parameters per token plus attention. The phase is
-"compute"-bound when the FLOP term is the larger one.
+with compute_s = FLOPs / (eta_compute x peak) and memory_s = (weight bytes + KV bytes /
+kv_bandwidth_ratio) / (eta_bandwidth x bandwidth), where the weights are streamed once
+per step (routed experts only in the share the batch touches), the KV bytes are the
+cache the batch reads and writes, and FLOPs are 2 x active parameters per token plus
+attention. The KV cache is read in blocks scattered over the pool, by the engine's
+attention kernels, at a lower share of peak than one long weight stream: the ratio is
+an engine's term. The phase is "compute"-bound when the FLOP term is the larger one.
 
 The serial fraction is the part of the shorter term that does not hide under the
 longer one: 0 is the ideal roofline, 1 no overlap at all. Decode (memory_s >>
@@ -73,9 +75,12 @@ class Efficiency:
     per_request_s: float = 0.0  # engine work per request before its first token
     serial_fraction: float = 0.0  # share of min(compute, memory) time not overlapped
     per_sequence_s: float = 0.0  # host work per sequence in a step (outputs, streaming)
+    # The KV cache's reads and writes, in blocks scattered over the pool, reach this share
+    # of the bandwidth the weights stream at (see ENGINE_TERMS).
+    kv_bandwidth_ratio: float = 1.0
 
     def __post_init__(self) -> None:
-        for name in ("compute", "bandwidth"):
+        for name in ("compute", "bandwidth", "kv_bandwidth_ratio"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value > 0.0):
                 raise ValueError(f"efficiency {name} must be a positive number, got {value}")
@@ -115,7 +120,8 @@ class Efficiency:
         """These hardware efficiencies with `terms` for the engine's own."""
         return replace(self, compute=terms.compute, per_step_s=terms.per_step_s,
                        per_request_s=terms.per_request_s,
-                       allreduce_latency_s=terms.allreduce_latency_s)
+                       allreduce_latency_s=terms.allreduce_latency_s,
+                       kv_bandwidth_ratio=terms.kv_bandwidth_ratio)
 
 
 _EFFICIENCY_FIELDS = (
@@ -127,6 +133,7 @@ _EFFICIENCY_FIELDS = (
     "per_request_s",
     "serial_fraction",
     "per_sequence_s",
+    "kv_bandwidth_ratio",
 )
 
 
@@ -139,6 +146,9 @@ class EngineTerms:
     per_step_s: float  # scheduler, sampler, Python/C++ runtime work per step
     per_request_s: float  # API server, tokenizer, detokenizer: once per request
     allreduce_latency_s: float  # fixed cost of one TP all-reduce in its collective
+    # Its attention kernels' KV cache traffic (paged: blocks scattered over the pool)
+    # against the bandwidth its weights stream at.
+    kv_bandwidth_ratio: float = 1.0
 
 
 VLLM = "vllm"
@@ -150,7 +160,7 @@ TENSORRT_LLM = "tensorrt-llm"
 # token); TensorRT-LLM's from its C++ static-batch benchmark, without a server.
 ENGINE_TERMS: Mapping[str, EngineTerms] = {
     VLLM: EngineTerms(compute=0.684, per_step_s=1.41e-3, per_request_s=24.0e-3,
-                      allreduce_latency_s=28.1e-6),
+                      allreduce_latency_s=28.1e-6, kv_bandwidth_ratio=0.382),
     TENSORRT_LLM: EngineTerms(compute=0.500, per_step_s=0.625e-3, per_request_s=2.00e-3,
                               allreduce_latency_s=12.5e-6),
 }
@@ -176,6 +186,7 @@ DEFAULT_EFFICIENCY = Efficiency(
     allreduce_latency_s=ENGINE_TERMS[VLLM].allreduce_latency_s,
     per_request_s=ENGINE_TERMS[VLLM].per_request_s,
     serial_fraction=0.0909,
+    kv_bandwidth_ratio=ENGINE_TERMS[VLLM].kv_bandwidth_ratio,
 )
 
 
@@ -275,7 +286,8 @@ class Roofline:
         total_bytes = weight_bytes + kv_read + kv_write
         eff = self.efficiency
         compute_s = flops / (eff.compute * self.gpu.peak_flops(self.compute_rate))
-        memory_s = total_bytes / (eff.bandwidth * self.gpu.bandwidth_bytes_per_s)
+        memory_s = (weight_bytes + (kv_read + kv_write) / eff.kv_bandwidth_ratio) / (
+            eff.bandwidth * self.gpu.bandwidth_bytes_per_s)
         return StepCost(
             flops=flops,
             bytes=total_bytes,
