@@ -24,9 +24,15 @@ rows that time a prefill (not a prompt the benchmark's warm-up left cached), at 
 request at a time, and Qwen3-14B-AWQ's 16,000 tokens), so with Llama 3 held out vLLM
 keeps the prior's half of peak.
 
+Then, on the engine's rows under load (bursts and closed loops, at least
+`MIN_ROWS_PER_ENGINE`), the share of the weights' bandwidth its attention kernels reach
+on the KV cache (`fit_kv_bandwidth`): one request at a time a step reads one sequence's
+cache beside all the weights, so only many sequences a step show it.
+
 Leave one model family out (`FAMILIES`; a model outside them is a family of its own,
-`model_family`): for each family, the terms are fitted on the steady rows (one request
-at a time) of every other family and then predict the held family's rows:
+`model_family`): for each family, the terms are fitted on the rows of every other
+family (one request at a time; the KV share under load) and then predict the held
+family's rows:
 
 - steady rows (concurrency 1): TTFT and TPOT by `steady_latency`, as `kvgate plan`;
 - burst rows (N prompts sent at once, concurrency > 1): mean TTFT and TPOT from the

@@ -338,9 +338,12 @@ async def test_a_burst_with_faults_joins_across_client_kvgate_and_vllm() -> None
                                             or line["upstream_error"] == "status"), rid
     assert sum(applied.values()) == 5, applied  # every fault was injected
     assert ends.get("upstream_cut", 0) >= 1 and ends.get("done", 0) >= 8, ends
-    # The streams cut or stalled mid-answer were aborted in vLLM (one may have finished
-    # in the server before the cut reached it).
-    assert aborted >= 1, ends
+    # How many of the streams the fault proxy cut vLLM still had to finish (and so
+    # aborted, each checked above against kvgate's line) is the machine's timing, not
+    # kvgate's: a busy API server streams behind its engine, which may have finished
+    # all of them before the cuts reached it.
+    assert aborted <= sum(ends.get(end, 0) for end in ("upstream_cut", "timeout",
+                                                       "client_gone")), ends
 
 
 async def _burst(gated: Sidecar) -> list[Any]:

@@ -52,7 +52,7 @@ TRUTH = Efficiency(compute=0.3, bandwidth=0.5, per_layer_s=2e-4, per_step_s=3e-3
 PRIORS = {
     "generic": custom_gpu(80, 8000, 2250, name="generic"),
     "cpu x10": custom_gpu(240, 200, 5, name="cpu x10"),
-    "cpu /10": custom_gpu(2.4, 2, 0.05, name="cpu /10"),
+    "cpu /20": custom_gpu(1.2, 1, 0.025, name="cpu /20"),
 }
 
 
@@ -344,18 +344,18 @@ def test_a_cost_prices_the_same_request_again_from_its_inputs() -> None:
     assert cost.model_inputs is not None
     assert model.model_s("ttft", cost.model_inputs) == pytest.approx(cost.prefill_model_s)
     assert model.model_s("tpot", cost.model_inputs) == pytest.approx(cost.tpot_model_s)
-    slower = CostModel(on(PRIORS["cpu /10"], TRUTH))
+    slower = CostModel(on(PRIORS["cpu /20"], TRUTH))
     assert slower.model_s("ttft", cost.model_inputs) > 2 * cost.prefill_model_s
 
 
 def test_spread_rebased_on_a_new_model_keeps_no_ratio_to_the_old_one() -> None:
-    """A fit converging from a device 10x too slow: the requests' ratios to the prior
+    """A fit converging from a device 100x too slow: the requests' ratios to the prior
     would scale the new model's predictions down by as much as the prior was off;
     taken again against the new model they say what it leaves, about 1.3 (here: the
     server's noise and a bias the fit does not see)."""
     rng = random.Random(3)
     truth = on(CPU, TRUTH)
-    prior = CostModel(on(PRIORS["cpu /10"]))
+    prior = CostModel(on(custom_gpu(0.24, 0.2, 0.005, name="cpu /100")))
     fitted = CostModel(truth)
     spread = Spread()
     kept = Spread()  # the same ratios without their inputs: never re-priced
@@ -417,10 +417,10 @@ def test_health_warns_of_a_device_that_is_not_the_one_named() -> None:
                for w in found["warnings"]), found
     assert found["slowdown_vs_device"]["prefill"] > 100
     # Told it is a much slower device: it runs faster than that device's peak.
-    tiny = on(PRIORS["cpu /10"])
+    tiny = on(PRIORS["cpu /20"])
     fast = Calibrator()
     feed(fast, tiny, on(CPU, TRUTH), 60, random.Random(1))
-    assert any("peak of cpu /10" in w for w in fast.status(tiny)["health"]["warnings"])
+    assert any("peak of cpu /20" in w for w in fast.status(tiny)["health"]["warnings"])
     # The generic stand-in (no --gpu) is reported, never warned about.
     generic = on(PRIORS["generic"])
     quiet = Calibrator()
@@ -537,7 +537,7 @@ def test_the_prefill_load_is_rescaled_when_the_model_is_recalibrated() -> None:
     a prior 10x too slow, it would saturate and stretch every prediction for its time
     constant after calibration had found the server; recalibrating re-expresses it in
     the new model's seconds."""
-    slow, right = CostModel(on(PRIORS["cpu /10"])), CostModel(on(CPU))
+    slow, right = CostModel(on(PRIORS["cpu /20"])), CostModel(on(CPU))
     ctl = _admitted_prefills(slow)
     now = ctl.clock()
     loaded = ctl.prefill_load.utilisation(now)
