@@ -297,7 +297,6 @@ async def test_a_burst_with_faults_joins_across_client_kvgate_and_vllm() -> None
     assert len(lines) == len(results)
     kvgate_log = gated.log_text()
     ends: dict[str, int] = {}
-    aborted = 0
     for result in results:
         rid = result.request_id
         line = by_id[rid]
@@ -330,7 +329,6 @@ async def test_a_burst_with_faults_joins_across_client_kvgate_and_vllm() -> None
         if hop is None or not hop.forwarded:
             assert not mentioned, (rid, mentioned)
         if any(" aborted." in m for m in mentioned):  # vLLM dropped it: kvgate says why
-            aborted += 1
             assert line["end"] in ("upstream_cut", "timeout", "client_gone"), line
         # 4. Abnormal ends are in kvgate's process log with the id.
         abnormal = f"request {rid} ended abnormally"
@@ -338,12 +336,10 @@ async def test_a_burst_with_faults_joins_across_client_kvgate_and_vllm() -> None
                                             or line["upstream_error"] == "status"), rid
     assert sum(applied.values()) == 5, applied  # every fault was injected
     assert ends.get("upstream_cut", 0) >= 1 and ends.get("done", 0) >= 8, ends
-    # How many of the streams the fault proxy cut vLLM still had to finish (and so
-    # aborted, each checked above against kvgate's line) is the machine's timing, not
-    # kvgate's: a busy API server streams behind its engine, which may have finished
-    # all of them before the cuts reached it.
-    assert aborted <= sum(ends.get(end, 0) for end in ("upstream_cut", "timeout",
-                                                       "client_gone")), ends
+    # Not checked: how many of the streams the fault proxy cut vLLM still had to finish
+    # (and so aborted; each abort is checked above against kvgate's line). That is the
+    # machine's timing, not kvgate's: a busy API server streams behind its engine, which
+    # may have finished all of them before the cuts reached it.
 
 
 async def _burst(gated: Sidecar) -> list[Any]:

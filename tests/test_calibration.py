@@ -39,6 +39,7 @@ from sidecar.calibration import (
 )
 from sidecar.calibration.spread import quantile
 from sidecar.model import Efficiency, ServedModel, custom_gpu, parse_config
+from sidecar.model.latency import DEFAULT_EFFICIENCY
 from sidecar.upstream import UpstreamView
 from sidecar.upstream.server_metrics import HistogramTotals, ServerMetrics
 
@@ -462,6 +463,10 @@ def test_one_reader_names_what_is_wrong(tmp_path: Path) -> None:
         (json.dumps({"rates": {}}), "no 'efficiency' object"),
         (json.dumps({"efficiency": {"bandwidth": "fast"}}), "bandwidth must be a number"),
         (json.dumps({"efficiency": {"compute": 0}}), "compute must be a positive number"),
+        (json.dumps({"efficiency": {"kv_bandwidth_ratio": -0.5}}),
+         "kv_bandwidth_ratio must be a positive number"),
+        (json.dumps({"efficiency": {"kv_bandwidth_ratio": float("nan")}}),
+         "kv_bandwidth_ratio must be a positive number"),
     ):
         path.write_text(content)
         with pytest.raises(CalibrationFileError, match=message) as caught:
@@ -473,6 +478,46 @@ def test_one_reader_names_what_is_wrong(tmp_path: Path) -> None:
     path.write_text(json.dumps({"key": "m|cpu|tp1", "efficiency": {"compute": 3.0}}))
     saved = read_calibration(path)
     assert saved.efficiency.compute == 3.0 and saved.device == "cpu"
+    # A file written before the KV share was a term fitted its memory rate with the KV
+    # cache at the weights' bandwidth: it is read so, whatever the prior's share is.
+    assert saved.efficiency.kv_bandwidth_ratio == 1.0
+    assert DEFAULT_EFFICIENCY.kv_bandwidth_ratio < 1.0
+    path.write_text(json.dumps({"efficiency": {"compute": 3.0, "kv_bandwidth_ratio": 0.4}}))
+    assert read_calibration(path).efficiency.kv_bandwidth_ratio == 0.4
+
+
+def test_the_fit_keeps_the_prior_s_kv_share_in_what_it_measures_and_returns() -> None:
+    # A server whose KV cache streams at the prior's share of its bandwidth: the fit's
+    # features price the KV bytes at that share, as its returned model does, so the
+    # server is found at long contexts too, where the KV cache is most of a step.
+    truth = on(CPU, replace(TRUTH, kv_bandwidth_ratio=DEFAULT_EFFICIENCY.kv_bandwidth_ratio))
+    served = on(CPU)
+    calibrator = Calibrator()
+    feed(calibrator, served, truth, 100, random.Random(1))
+    fitted = served.with_efficiency(calibrator.efficiency(served))
+    assert fitted.efficiency.kv_bandwidth_ratio == DEFAULT_EFFICIENCY.kv_bandwidth_ratio
+    for batch, context in ((1, 900), (4, 900), (4, 300)):
+        ours = fitted.tpot((context,) * batch)
+        real = truth.tpot((context,) * batch)
+        assert ours is not None and real is not None
+        assert ours.seconds == pytest.approx(real.seconds, rel=0.05), (batch, context)
+
+
+def test_the_bandwidth_warned_about_is_the_kv_cache_s() -> None:
+    # What one server's contexts identify is the KV cache's share of the peak (the
+    # weights' time moves with the cost per step): a fit whose weights' share reads 1.5
+    # at a KV share of 0.382 streams the KV cache at 57% of the peak, which is no sign
+    # of another device; at 3.0 it is (115%).
+    ratio = DEFAULT_EFFICIENCY.kv_bandwidth_ratio
+    warned = []
+    for bandwidth in (1.5, 3.0):
+        fitted = on(CPU, replace(DEFAULT_EFFICIENCY, bandwidth=bandwidth))
+        checked = health(fitted, 1000)
+        assert checked is not None
+        warned.append([w for w in checked.warnings if "bandwidth peak" in w])
+    assert warned[0] == []
+    assert warned[1] == [f"the server reaches {3.0 * ratio:.1f}x the bandwidth peak of cpu: it "
+                         "is not that device, or the device's figures are too low (--gpu)"]
 
 
 def test_a_new_model_on_the_same_device_starts_from_the_last_fit() -> None:
@@ -534,7 +579,7 @@ def test_a_target_between_p50_and_p90_is_refused_only_on_p90() -> None:
 
 def test_the_prefill_load_is_rescaled_when_the_model_is_recalibrated() -> None:
     """The prefill load is the predicted prefill seconds admitted lately. Admitted under
-    a prior 10x too slow, it would saturate and stretch every prediction for its time
+    a prior 20x too slow, it would saturate and stretch every prediction for its time
     constant after calibration had found the server; recalibrating re-expresses it in
     the new model's seconds."""
     slow, right = CostModel(on(PRIORS["cpu /20"])), CostModel(on(CPU))

@@ -189,7 +189,7 @@ async def test_the_reservation_covers_what_vllm_holds_and_follows_it_down(
                     assert held and min(held) < headers[-1], held
                 if len(peaks) >= 3 and headers[0] <= max(peaks) + groups:
                     break
-        assert peaks, f"no sample of vLLM while any of {misses} requests ran"
+        assert len(peaks) >= 3, (peaks, f"{misses} requests without a sample of vLLM")
         # At its peak the reservation is at most one block per KV cache group above
         # what vLLM held, and never below it.
         assert max(peaks) <= headers[0] <= max(peaks) + groups, (peaks, headers)

@@ -211,7 +211,8 @@ async def test_vllm_killed_mid_stream_and_back_with_other_capacity_then_other_mo
     server.start()
     qwen: VllmServer | None = None
     try:
-        # The fourth stream's predicted wait (the first three's ~4,000 tokens) is ~6 s.
+        # The fourth stream's predicted wait (the first three's ~4,000 tokens) is ~6 s
+        # here, and up to three times that on a busy machine: within --queue-max-wait-s.
         with Sidecar(server.url, "--metrics-interval-s", "0.5", "--queue-max-wait-s",
                      "25") as gated:
             pid = gated.proc.pid if gated.proc else None
@@ -237,6 +238,7 @@ async def test_vllm_killed_mid_stream_and_back_with_other_capacity_then_other_mo
                     session, url, completion(3900, prompt=f"{i} {PROMPT}"),
                     on_event=counter(i))) for i in range(3)]
                 await asyncio.wait_for(first_tokens.wait(), 60)
+                assert gated.state()["admission"]["ledger"]["reserved_blocks"] == 375
                 queued = asyncio.create_task(post_stream(
                     session, url, completion(3900, prompt=f"3 {PROMPT}")))
                 await until(lambda: gated.state()["admission"]["queue"]["length"] == 1, 10,
@@ -337,6 +339,45 @@ async def test_a_chunked_answer_cut_short_reaches_the_client_broken() -> None:
                 assert response.status == 200
                 with pytest.raises(aiohttp.ClientPayloadError):
                     await response.read()
+    finally:
+        sidecar.stop()
+        await runner.cleanup()
+
+
+async def test_a_head_keeps_the_length_the_server_gave_and_no_other_framing() -> None:
+    """A HEAD's answer has no body but keeps the server's Content-Length (the length its
+    GET would have); one the server framed as chunked gets neither header."""
+    async def sized(request: web.Request) -> web.StreamResponse:
+        return web.Response(body=b"", headers={"Content-Length": "1234", "X-Kept": "1",
+                                               "Connection": "X-Hop", "X-Hop": "2"})
+
+    async def chunked(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"X-Kept": "1"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        return response
+
+    app = web.Application()
+    app.router.add_route("HEAD", "/v1/sized", sized)
+    app.router.add_route("HEAD", "/v1/chunked", chunked)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    sidecar = Sidecar(f"http://127.0.0.1:{port}").start(wait_ready=False)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await until_async(session, sidecar.url + "/healthz")
+            async with session.head(sidecar.url + "/v1/sized") as response:
+                assert response.status == 200
+                assert response.headers.get("Content-Length") == "1234"
+                assert response.headers.get("X-Kept") == "1"
+                assert "X-Hop" not in response.headers  # named by the server's Connection
+                assert await response.read() == b""
+            async with session.head(sidecar.url + "/v1/chunked") as response:
+                assert response.status == 200 and response.headers.get("X-Kept") == "1"
+                assert "Content-Length" not in response.headers
+                assert "Transfer-Encoding" not in response.headers
     finally:
         sidecar.stop()
         await runner.cleanup()

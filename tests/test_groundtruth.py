@@ -28,6 +28,8 @@ from sidecar.model.units import GIB
 from bench.model_cv import (
     BANDS,
     FAMILIES,
+    FIT_REQUESTS_PER_CLIENT,
+    KV_RATIO_GRID,
     NEUTRAL_START,
     Prediction,
     committed_values,
@@ -218,10 +220,12 @@ def test_an_engine_fits_its_flops_share_only_on_three_timed_prefills() -> None:
 
 
 def test_the_kv_share_under_load_is_found_where_the_rows_put_it() -> None:
-    # Rows under load "measured" with the KV cache's bytes at half the weights'
-    # bandwidth: the fit finds that half from the prior's 1, and moves nothing else.
+    # Rows under load "measured" with the KV cache's bytes at a share of the weights'
+    # bandwidth between the grid's points (0.5 / 2^(1/4)): the fit finds it from the
+    # prior's 1 by refining around the best point of the grid, and moves nothing else.
     # Rows that read little KV (short contexts) tell the shares apart the least, so the
-    # rows here are long ones: France-Travail's loops of 4,096-token prompts.
+    # rows here are long ones: France-Travail's loops of 4,096-token prompts. (How the
+    # share prices a step is `test_the_kv_cache_streams_at_its_own_share_of_the_bandwidth`.)
     loaded = [c for c in usable_cases() if c.engine == "vllm" and c.kind == "closed"
               and c.input_len >= 4096 and c.num_prompts <= 14][:3]
     assert len(loaded) == 3
@@ -231,13 +235,18 @@ def test_the_kv_share_under_load_is_found_where_the_rows_put_it() -> None:
         efficiency = efficiency_for(values | {"vllm.kv_bandwidth_ratio": ratio}, "vllm")
         out = []
         for case in loaded:
-            ttft, tpot, _ = predict_closed(case, efficiency, 5)
+            ttft, tpot, _ = predict_closed(case, efficiency, FIT_REQUESTS_PER_CLIENT)
             out.append(replace(case, ttft_ms=ttft * 1e3, tpot_ms=tpot * 1e3))
         return out
 
-    assert fit_kv_bandwidth(values, "vllm", priced_at(0.5)) == values | {
-        "vllm.kv_bandwidth_ratio": 0.5}
-    # Rows priced as measured at the prior's share keep it (the largest of equal scores).
+    between = 0.5 / 2 ** 0.25
+    assert between not in KV_RATIO_GRID
+    found = fit_kv_bandwidth(values, "vllm", priced_at(between))
+    # Within the refinement's last step, 2^(1/8); nothing else moved.
+    share = found.pop("vllm.kv_bandwidth_ratio")
+    assert abs(math.log(share / between)) <= math.log(2) / 8, share
+    assert found == {k: v for k, v in values.items() if k != "vllm.kv_bandwidth_ratio"}
+    # Rows priced as measured at the prior's share keep it.
     assert fit_kv_bandwidth(values, "vllm", priced_at(1.0)) == values
 
 

@@ -5,6 +5,8 @@ token, not 56 KiB."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from sidecar.model import (
@@ -165,6 +167,25 @@ def test_decode_floor_is_weights_over_bandwidth() -> None:
     slow = ServedModel(model.arch, Deployment(), custom_gpu(80, 500, 300), ideal)
     assert slow.roofline is not None
     assert slow.roofline.step((), [1]).memory_s == pytest.approx(2 * step.memory_s, rel=1e-6)
+
+
+def test_the_kv_cache_streams_at_its_own_share_of_the_bandwidth() -> None:
+    # A decode batch reads the weights once and each sequence's KV cache: at a KV share
+    # r, the KV bytes take 1 / r as long as the weights' bytes do, the weights' the same.
+    gpu = custom_gpu(80, 1000, 300)
+    ideal = Efficiency(compute=1.0, bandwidth=1.0, per_layer_s=0.0, per_step_s=0.0)
+    arch = read_architecture("meta-llama/Llama-2-7b-hf")
+    full = ServedModel(arch, Deployment(), gpu, ideal).roofline
+    quarter = ServedModel(arch, Deployment(), gpu, replace(ideal, kv_bandwidth_ratio=0.25)
+                          ).roofline
+    assert full is not None and quarter is not None
+    contexts = [4096] * 16
+    weights_s = full.weights.bytes_read_per_step(1.0) / 1e12
+    one, slow = full.step((), contexts), quarter.step((), contexts)
+    kv_s = one.memory_s - weights_s  # the KV cache read and written, at full speed
+    assert kv_s > weights_s  # 16 x 4,096 tokens of a 7B model: more KV than weights
+    assert slow.memory_s == pytest.approx(weights_s + kv_s / 0.25, rel=1e-9)
+    assert slow.bytes == one.bytes  # the same bytes, more slowly
 
 
 def test_arithmetic_intensity_and_balance_point() -> None:

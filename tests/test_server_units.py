@@ -322,3 +322,9 @@ def test_headers_the_connection_header_names_go_no_further() -> None:
         ("Content-Type", "text/plain"), ("Content-Length", "31")]
     upstream.headers["Content-Length"] = "31, 31"  # not one plain length: not passed on
     assert _response_headers(upstream, None, head=True) == [("Content-Type", "text/plain")]
+    # kvgate's own request id goes to the server whatever a client's Connection names.
+    from sidecar.server.access_log import RequestRecord
+    naming = CIMultiDictProxy(CIMultiDict([
+        ("Connection", "X-Request-Id, X-Data-Parallel-Rank"), ("X-Request-Id", "mine")]))
+    assert RequestRecord("kv-1", "POST", "/v1/completions").upstream_headers(
+        _forward_headers(naming, _NOT_FORWARDED)) == [("X-Request-Id", "kv-1")]

@@ -9,7 +9,8 @@ peak bounds:
 
 where compute_s and memory_s are the roofline's FLOP and byte terms at the named
 device's peaks (`sidecar.model.latency`: the FLOPs and bytes of the batch at the time,
-prompt attention and the KV cache read included), steps the engine steps of the phase,
+prompt attention and the KV cache read included, the KV bytes at the prior's share of
+the weights' bandwidth, `kv_bandwidth_ratio`, which the fit keeps), steps the engine steps of the phase,
 sequences the sequences those steps carried (sampling, output processing, streaming:
 small on a GPU server, most of a step on a CPU one) and s_request the engine's fixed
 cost per request (API server, tokenizer, first-token streaming). r_compute and r_memory

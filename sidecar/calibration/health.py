@@ -69,8 +69,10 @@ def health(fitted: ServedModel, observations: int, *, device_named: bool = True
     slowdowns = [DEFAULT_EFFICIENCY.compute / efficiency.compute, ours.seconds / theirs.seconds]
     warnings: list[str] = []
     if device_named and observations >= MIN_OBSERVATIONS:
+        # The bandwidth one server's contexts identify is the KV cache's (the weights'
+        # time moves with the cost per step): past the peak is past it for that share.
         for name, value in (("compute", efficiency.compute),
-                            ("bandwidth", efficiency.bandwidth)):
+                            ("bandwidth", efficiency.bandwidth * efficiency.kv_bandwidth_ratio)):
             if value > 1.0:
                 warnings.append(
                     f"the server reaches {value:.1f}x the {name} peak of {gpu.name}: it is "

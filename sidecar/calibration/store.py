@@ -60,6 +60,10 @@ def parse_calibration(data: object, where: str,
     section = data.get("efficiency")
     if not isinstance(section, dict):
         raise CalibrationFileError(f"{where}: no 'efficiency' object")
+    if "kv_bandwidth_ratio" not in section:
+        # Written before the KV share was a term: its memory rate was fitted with the KV
+        # cache at the weights' bandwidth, and only with that share does it price right.
+        section = {**section, "kv_bandwidth_ratio": 1.0}
     try:
         efficiency = Efficiency.from_mapping(section, base)
     except ValueError as exc:

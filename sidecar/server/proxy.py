@@ -78,8 +78,10 @@ def _with_connection_named(headers: MultiMapping[str], drop: frozenset[str]
                            ) -> frozenset[str]:
     """`drop`, and the headers a Connection header names: those are hop-by-hop too, for
     this connection only (RFC 9110, 7.6.1), and a proxy does not pass them on."""
-    named = {token.strip().lower() for value in headers.getall("Connection", ())
-             for token in value.split(",")}
+    values = headers.getall("Connection", None)
+    if not values or (len(values) == 1 and values[0].lower() in _CONNECTION_OPTIONS):
+        return drop  # the usual case: none, or a plain keep-alive / close
+    named = {token.strip().lower() for value in values for token in value.split(",")}
     named -= _CONNECTION_OPTIONS
     return drop | named if named else drop
 

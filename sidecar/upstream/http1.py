@@ -185,8 +185,8 @@ class _Connection(asyncio.Protocol):
                     raise UpstreamProtocolError("response head too large")
                 return False
             raw = bytes(self._buffer[:end])
-            loose = raw.replace(b"\r\n", b"")
-            if b"\r" in loose or b"\n" in loose or b"\0" in loose:
+            breaks = raw.count(b"\r\n")
+            if raw.count(b"\r") != breaks or raw.count(b"\n") != breaks or b"\0" in raw:
                 # A line not ended by CRLF, or NUL: no header of it can be passed on.
                 raise UpstreamProtocolError("a bare CR, a bare LF or a NUL in the response head")
             # As aiohttp decodes headers: its server writes them back byte for byte.
