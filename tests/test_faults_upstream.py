@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import aiohttp
@@ -325,23 +325,11 @@ async def test_a_chunked_answer_cut_short_reaches_the_client_broken() -> None:
         request.transport.abort()
         return response
 
-    app = web.Application()
-    app.router.add_get("/v1/export", cut)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    sidecar = Sidecar(f"http://127.0.0.1:{port}").start(wait_ready=False)
-    try:
-        async with aiohttp.ClientSession() as session:
-            await until_async(session, sidecar.url + "/healthz")
-            async with session.get(sidecar.url + "/v1/export") as response:
-                assert response.status == 200
-                with pytest.raises(aiohttp.ClientPayloadError):
-                    await response.read()
-    finally:
-        sidecar.stop()
-        await runner.cleanup()
+    async with in_front_of([("GET", "/v1/export", cut)]) as (sidecar, session), \
+            session.get(sidecar.url + "/v1/export") as response:
+        assert response.status == 200
+        with pytest.raises(aiohttp.ClientPayloadError):
+            await response.read()
 
 
 async def test_a_head_keeps_the_length_the_server_gave_and_no_other_framing() -> None:
@@ -357,9 +345,28 @@ async def test_a_head_keeps_the_length_the_server_gave_and_no_other_framing() ->
         await response.prepare(request)
         return response
 
+    routes = [("HEAD", "/v1/sized", sized), ("HEAD", "/v1/chunked", chunked)]
+    async with in_front_of(routes) as (sidecar, session):
+        async with session.head(sidecar.url + "/v1/sized") as response:
+            assert response.status == 200
+            assert response.headers.get("Content-Length") == "1234"
+            assert response.headers.get("X-Kept") == "1"
+            assert "X-Hop" not in response.headers  # named by the server's Connection
+            assert await response.read() == b""
+        async with session.head(sidecar.url + "/v1/chunked") as response:
+            assert response.status == 200 and response.headers.get("X-Kept") == "1"
+            assert "Content-Length" not in response.headers
+            assert "Transfer-Encoding" not in response.headers
+
+
+@contextlib.asynccontextmanager
+async def in_front_of(routes: list[tuple[str, str, Any]]
+                      ) -> AsyncIterator[tuple[Sidecar, aiohttp.ClientSession]]:
+    """kvgate in front of an aiohttp server of `routes` (method, path, handler) on this
+    test's loop, and a client session, once kvgate answers."""
     app = web.Application()
-    app.router.add_route("HEAD", "/v1/sized", sized)
-    app.router.add_route("HEAD", "/v1/chunked", chunked)
+    for method, path, handler in routes:
+        app.router.add_route(method, path, handler)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     port = free_port()
@@ -368,16 +375,7 @@ async def test_a_head_keeps_the_length_the_server_gave_and_no_other_framing() ->
     try:
         async with aiohttp.ClientSession() as session:
             await until_async(session, sidecar.url + "/healthz")
-            async with session.head(sidecar.url + "/v1/sized") as response:
-                assert response.status == 200
-                assert response.headers.get("Content-Length") == "1234"
-                assert response.headers.get("X-Kept") == "1"
-                assert "X-Hop" not in response.headers  # named by the server's Connection
-                assert await response.read() == b""
-            async with session.head(sidecar.url + "/v1/chunked") as response:
-                assert response.status == 200 and response.headers.get("X-Kept") == "1"
-                assert "Content-Length" not in response.headers
-                assert "Transfer-Encoding" not in response.headers
+            yield sidecar, session
     finally:
         sidecar.stop()
         await runner.cleanup()
