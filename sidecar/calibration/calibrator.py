@@ -10,15 +10,15 @@ peak bounds:
 where compute_s and memory_s are the roofline's FLOP and byte terms at the named
 device's peaks (`sidecar.model.latency`: the FLOPs and bytes of the batch at the time,
 prompt attention and the KV cache read included, the KV bytes at the prior's share of
-the weights' bandwidth, `kv_bandwidth_ratio`, which the fit keeps), steps the engine steps of the phase,
-sequences the sequences those steps carried (sampling, output processing, streaming:
-small on a GPU server, most of a step on a CPU one) and s_request the engine's fixed
-cost per request (API server, tokenizer, first-token streaming). r_compute and r_memory
-are the inverse efficiencies against that device: 1 / r is the share of its peak the
-server reaches, above 1 when the server is faster than the device kvgate was told
-about (see `health`). The model predicts with exactly this sum (`Efficiency` with
-serial_fraction 1: no overlap credited between compute and memory time, which the
-observations cannot tell).
+the weights' bandwidth, `kv_bandwidth_ratio`, which the fit keeps), steps the engine
+steps of the phase, sequences the sequences those steps carried (sampling, output
+processing, streaming: small on a GPU server, most of a step on a CPU one) and s_request
+the engine's fixed cost per request (API server, tokenizer, first-token streaming).
+r_compute and r_memory are the inverse efficiencies against that device: 1 / r is the
+share of its peak the server reaches, above 1 when the server is faster than the device
+kvgate was told about (see `health`). The model predicts with exactly this sum
+(`Efficiency` with serial_fraction 1: no overlap credited between compute and memory
+time, which the observations cannot tell).
 
 What the observations identify on one server: prompt lengths separate r_compute from
 the fixed costs (prefill), batch sizes s_sequence (decode, once r_compute is known
