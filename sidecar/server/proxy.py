@@ -74,6 +74,10 @@ BROKEN_EVENT = (b'{"error": {"message": "the model server failed mid-stream", '
                 b'"type": "api_error", "code": "upstream_failed", "param": null}}')
 
 
+# Connection's options that name no header.
+_CONNECTION_OPTIONS = frozenset({"", "close", "keep-alive"})
+
+
 def _with_connection_named(headers: MultiMapping[str], drop: frozenset[str]
                            ) -> frozenset[str]:
     """`drop`, and the headers a Connection header names: those are hop-by-hop too, for
@@ -84,10 +88,6 @@ def _with_connection_named(headers: MultiMapping[str], drop: frozenset[str]
     named = {token.strip().lower() for value in values for token in value.split(",")}
     named -= _CONNECTION_OPTIONS
     return drop | named if named else drop
-
-
-# Connection's options that name no header.
-_CONNECTION_OPTIONS = frozenset({"", "close", "keep-alive"})
 
 
 def _forward_headers(headers: MultiMapping[str], drop: frozenset[str]
