@@ -8,10 +8,12 @@
    CPU's rough figures as a custom device) is sent mixed-length streamed requests in
    closed loops of 1, 2, 4 and 8 clients (after a pass over the same loops that is not
    kept: a cold server's first batches of each shape run slower); the engine's
-   costs (per step, per sequence in a step, per request, and the prefill's share of
-   peak FLOP/s) are fitted so that the simulator, replaying those requests, gives their
-   median TTFT and TPOT (`fit_efficiency`: physics terms, four numbers for the server,
-   none per workload).
+   costs (per step, per sequence in a step, per request, the prefill's share of peak
+   FLOP/s) and two terms of the device (the KV cache's share of the bandwidth the
+   weights reach, and the share of a step's compute and memory time that does not
+   overlap: a CPU is not the GPUs the shipped values were fitted on) are fitted so
+   that the simulator, replaying those requests, gives their median TTFT and TPOT
+   (`fit_efficiency`: physics terms, six numbers for the server, none per workload).
 2. Measurement, straight to vLLM: closed loops at c = 1, 2, 4, 8, 16, 32 with fixed and
    with mixed lengths, open-loop bursts (all requests at once; fixed and mixed) and a
    Poisson open loop at 0.6 of the rate the warm-up's 8 clients completed (the same
@@ -286,11 +288,14 @@ def compare(name: str, observed: Sequence[Observed], served: ServedModel, client
             "simulator_error": errors(simulated), "closed_form_error": errors(closed_form),
             "preemptions": {"vllm": preemptions, "simulated": summary["preemptions"]},
             "simulator_seconds": round(sim_seconds, 3),
-            # Each request as measured: client, sent, prompt and output tokens, first and
-            # last token (seconds from the workload's start).
-            "observed": [[s.client, round(s.sent_s, 5), s.prompt_tokens, s.output_tokens,
-                          round(s.first_s or 0.0, 5), round(s.last_s or 0.0, 5)]
-                         for s in done]}
+            "observed": as_rows(done)}
+
+
+def as_rows(observed: Sequence[Observed]) -> list[list[float]]:
+    """Each request as measured: client, sent, prompt and output tokens, first and last
+    token (seconds from the workload's start)."""
+    return [[s.client, round(s.sent_s, 5), s.prompt_tokens, s.output_tokens,
+             round(s.first_s or 0.0, 5), round(s.last_s or 0.0, 5)] for s in observed]
 
 
 def preemptions_total(url: str) -> float:
@@ -353,10 +358,13 @@ async def measure_all(url: str, shape: ServerShape, efficiency: Efficiency | Non
 
 
 # The terms the warm-up fits: (name, lower, upper). The rest keep the prior.
+# `kv_bandwidth_ratio` and `serial_fraction` are the device's: the shipped ones were
+# fitted on GPUs (paged-attention kernels, compute overlapping memory), not this CPU.
 # `compute` is the share of the device's declared peak FLOP/s (CPU_DEVICE: rough figures
 # for a CPU); above 1 where this machine's CPU outruns them.
 FITTED = (("per_step_s", 1e-4, 0.05), ("per_sequence_s", 0.0, 0.01),
-          ("per_request_s", 0.0, 0.2), ("compute", 0.005, 8.0))
+          ("per_request_s", 0.0, 0.2), ("compute", 0.005, 8.0),
+          ("kv_bandwidth_ratio", 0.05, 4.0), ("serial_fraction", 0.0, 1.0))
 
 
 def _log_error(predicted: float | None, measured: float | None) -> float:
@@ -366,12 +374,13 @@ def _log_error(predicted: float | None, measured: float | None) -> float:
 
 
 def fit_efficiency(shape: ServerShape, warmups: Sequence[tuple[int, Sequence[Observed]]],
-                   rounds: int = 5) -> Efficiency:
+                   rounds: int = 5, terms: Sequence[tuple[str, float, float]] = FITTED
+                   ) -> Efficiency:
     """The engine's costs that make the simulator reproduce the warm-up: a coordinate
     search minimising the sum over the warm-up loops of |log(simulated / measured)| of
     the median TTFT and TPOT. Deterministic."""
     base = shape.served(None)
-    values = {name: float(getattr(base.efficiency, name)) for name, _, _ in FITTED}
+    values = {name: float(getattr(base.efficiency, name)) for name, _, _ in terms}
     values["per_step_s"] = max(values["per_step_s"], 1e-3)
     measured = [(clients, observed,
                  percentile([s.ttft_s for s in observed if s.ttft_s is not None], 50),
@@ -393,7 +402,7 @@ def fit_efficiency(shape: ServerShape, warmups: Sequence[tuple[int, Sequence[Obs
         improved = True
         while improved:
             improved = False
-            for name, low, high in FITTED:
+            for name, low, high in terms:
                 for factor in (1 + step, 1 / (1 + step)):
                     current = values[name]
                     moved = current * factor if current > 0 else high * step / 20
@@ -440,6 +449,38 @@ async def warm_up(url: str, model: str, requests: int, fixed: Shape,
     return out
 
 
+def observed_rows(rows: Sequence[Sequence[float]]) -> list[Observed]:
+    """`as_rows` read back."""
+    return [Observed(int(r[0]), r[1], int(r[2]), int(r[3]), r[4] or None, r[5] or None)
+            for r in rows]
+
+
+def replay(path: Path, names: Sequence[str]) -> int:
+    """Fit again on a result's stored warm-up, with only the terms `names`, and compare
+    its workloads again: which terms the fit needs, without a server."""
+    from support.env import model_dir
+
+    record = json.loads(path.read_text())
+    if "warmup" not in record:
+        raise SystemExit(f"{path}: no stored warm-up (results before it was kept)")
+    unknown = sorted(set(names) - {name for name, _, _ in FITTED})
+    if unknown:
+        raise SystemExit(f"--fit-terms: {', '.join(unknown)} not among "
+                         f"{', '.join(name for name, _, _ in FITTED)}")
+    server = dict(record["server"])
+    shape = ServerShape(**{**server, "model_dir": str(model_dir(server["served_name"]))})
+    warmups = [(w["clients"], observed_rows(w["observed"])) for w in record["warmup"]]
+    fitted = fit_efficiency(shape, warmups, terms=[t for t in FITTED if t[0] in names])
+    served = shape.served(fitted)
+    results = [compare(w["workload"], observed_rows(w["observed"]), served, w["clients"],
+                       w["preemptions"]["vllm"]) for w in record["workloads"]]
+    print(f"fitted {', '.join(names)}: " + ", ".join(
+        f"{k} {v:.4g}" for k, v in fitted.as_dict().items()))
+    print(table(results))
+    print(json.dumps(within_targets(results)["simulator"]))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from support.env import free_port, model_dir, vllm_python
     from support.vllm_server import VllmServer
@@ -448,7 +489,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="fewer levels and requests")
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--replay", type=Path, metavar="RESULT",
+                        help="no server: fit again on RESULT's stored warm-up and compare "
+                             "its workloads again")
+    parser.add_argument("--fit-terms", default=",".join(name for name, _, _ in FITTED),
+                        help="with --replay, the terms to fit, comma-separated (default: "
+                             "all of them; the rest keep the prior)")
     args = parser.parse_args(argv)
+    if args.replay:
+        return replay(args.replay, [n.strip() for n in args.fit_terms.split(",") if n.strip()])
     started = time.time()
     record = provenance("bench/simulator_vs_vllm.py" + (" --smoke" if args.smoke else ""))
     model = "small-llama"
@@ -482,6 +531,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     record["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     record.update({"model": model, "server": vars(shape), "fixed_lengths": vars(fixed),
                    "efficiency": efficiency,
+                   # What the fit saw, to fit again without a server.
+                   "warmup": [{"clients": clients, "observed": as_rows(observed)}
+                              for clients, observed in warmups],
                    "poisson": {"rate_per_s": rate, "warmup_capacity_per_s": round(capacity, 3),
                                "load": POISSON_LOAD},
                    "workloads": results,

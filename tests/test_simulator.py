@@ -746,6 +746,34 @@ def test_kvgate_reserves_a_groups_shared_prefix_once() -> None:
     assert gated.preemptions == unshared.preemptions == 0
 
 
+def test_a_stored_comparison_is_fitted_again_without_a_server(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`bench/simulator_vs_vllm.py --replay` refits the shipped result's stored warm-up
+    on the terms asked for, and compares its 15 workloads again; a term it does not fit
+    is named in the error."""
+    from bench.simulator_vs_vllm import Observed, as_rows, main, observed_rows
+
+    result = Path(__file__).resolve().parent.parent / "bench/results/simulator_vs_vllm.json"
+    stored = json.loads(result.read_text())
+    assert [w["clients"] for w in stored["warmup"]] == [1, 2, 4, 8]
+    sample = [Observed(3, 0.5, 840, 48, 0.61, 0.9), Observed(0, 1.0, 12, 1, None, None)]
+    assert observed_rows(as_rows(sample)) == sample
+
+    assert main(["--replay", str(result), "--fit-terms", "per_step_s,compute"]) == 0
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert lines[0].startswith("fitted per_step_s, compute: ")
+    from sidecar.model.latency import ENGINE_TERMS, VLLM
+
+    # A term not asked for keeps the prior.
+    assert lines[0].endswith(f"kv_bandwidth_ratio {ENGINE_TERMS[VLLM].kv_bandwidth_ratio:.4g}")
+    assert sum(line.startswith(("closed c=", "open ")) for line in lines) == 15
+    summary = json.loads(lines[-1])
+    assert summary["workloads"] == 15
+    with pytest.raises(SystemExit, match="per_token_s not among per_step_s"):
+        main(["--replay", str(result), "--fit-terms", "per_token_s"])
+
+
 @pytest.mark.vllm
 def test_against_a_real_vllm_the_simulator_beats_the_closed_form(big_kv_vllm: Any) -> None:
     """The session's real vLLM CPU server, calibrated on a separate warm-up, then closed
