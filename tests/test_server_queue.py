@@ -8,6 +8,7 @@ import asyncio
 import glob
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +204,42 @@ def test_sequences_count_as_vllm_counts_them() -> None:
         assert not waiting.done()  # 3 + 2 > 4
         held.finish()
         (await asyncio.wait_for(waiting, 1)).finish()
+
+    run(scenario())
+
+
+def test_the_wait_for_the_request_limit_counts_the_sequences_queued_ahead() -> None:
+    """A newcomer waits until the server's count falls low enough for the sequences
+    queued ahead of it and its own: with two of 2 sequences running (4 of 4) and one of
+    2 queued, a newcomer of 1 needs both running ones to finish (3 sequences freed),
+    not only the first (counting the queued request as 1 would say so)."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=1024, clock=clock,
+                     server_limits=ServerQueueLimits(max_requests=4))
+
+    async def scenario() -> None:
+        short = await ctl.admit(AdmissionRequest(prompt_tokens=20, max_tokens=20,
+                                                 sequences=2))
+        long = await ctl.admit(AdmissionRequest(prompt_tokens=20, max_tokens=400,
+                                                sequences=2))
+        views = dict(zip(ctl._running, ctl.running_requests(), strict=True))
+        first_s, last_s = views[short].finish_in_s, views[long].finish_in_s
+        assert 0 < first_s < last_s
+        # Queued requests must not time out before the last one finishes.
+        ctl.settings = replace(ctl.settings, limits=QueueLimits(max_wait_s=(
+            first_s + last_s) / 2))
+        ahead = asyncio.ensure_future(ctl.admit(AdmissionRequest(
+            prompt_tokens=20, max_tokens=10, sequences=2)))
+        await asyncio.sleep(0)
+        assert not ahead.done()  # 4 + 2 > 4; the first to finish makes room for it
+        with pytest.raises(Rejected) as rejected:
+            await ctl.admit(AdmissionRequest(prompt_tokens=20, max_tokens=10))
+        decision = rejected.value.decision
+        assert decision.outcome is Outcome.QUEUE_TIMEOUT, decision
+        assert f"predicted wait {last_s:.1f} s" in decision.reason
+        short.finish()
+        (await asyncio.wait_for(ahead, 1)).finish()
+        long.finish()
 
     run(scenario())
 

@@ -329,7 +329,7 @@ class AdmissionController:
                       if limit is None or not fits
                       else f"{self.settings.server_limits.describe(limit)} is reached")
         model_wait_s = self._kv_wait_s(request, cost, band, plan)
-        wait_s = max(self.wait_ratio.scaled(model_wait_s), self._server_wait_s(request, ahead))
+        wait_s = max(self.wait_ratio.scaled(model_wait_s), self._server_wait_s(request, band, now))
         # An infinite wait is an unknown one: nothing kvgate admitted is running to free
         # blocks, the room is taken by use the server reports (traffic that bypasses
         # kvgate, or a scrape from just before it finished). Such a request waits in the
@@ -575,18 +575,19 @@ class AdmissionController:
             self._details(cost, server_limit=reason),
         )
 
-    def _server_wait_s(self, request: AdmissionRequest, ahead: int) -> float:
-        """Predicted time until the server's queue limits take `request` behind the
-        `ahead` requests waiting before it: running requests finish (request count) and
-        prompts prefill (prompt tokens); 0 without limits, inf when unknown."""
+    def _server_wait_s(self, request: AdmissionRequest, band: int, now: float) -> float:
+        """Predicted time until the server's queue limits take `request` (arriving at
+        `now` in `band`) behind the requests waiting before it: running requests finish
+        (their sequences, as the server counts them) and prompts prefill (prompt
+        tokens); 0 without limits, inf when unknown."""
         limits = self.settings.server_limits
         if not limits.active:
             return 0.0
-        now = self.clock()
         tickets = list(self._running)
         sequences, prefill_tokens = self.server_queue()
         wait_s = 0.0
         if limits.max_requests is not None:
+            ahead = self.queue.sequences_ahead_of(band, now)
             excess = sequences + ahead + request.sequences - limits.max_requests
             finishes = sorted((view.finish_in_s, ticket.request.sequences)
                               for ticket, view in zip(tickets, self.running_requests(),
@@ -614,6 +615,7 @@ class AdmissionController:
             arrival_s=now,
             band=band,
             tenant=request.tenant,
+            sequences=request.sequences,
             blocks=cost.kv_blocks,
             cost=cost.gpu_seconds(self.ledger.capacity_blocks),
             deadline_s=deadline,

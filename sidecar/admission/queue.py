@@ -42,6 +42,7 @@ class Entry:
     deadline_s: float | None = None
     payload: object = None
     seq: int = -1
+    sequences: int = 1  # what the server counts it as (n / best_of, prompts)
     removed: bool = False
 
     def view(self) -> EntryView:
@@ -67,6 +68,7 @@ class _Band:
     served: OrderedDict[str, float] = field(default_factory=OrderedDict)
     size: int = 0
     blocks: int = 0
+    sequences: int = 0
 
     def oldest(self) -> Entry | None:
         while self.arrivals and self.arrivals[0][2].removed:
@@ -113,6 +115,7 @@ class AdmissionQueue:
         tenant.size += 1
         band.size += 1
         band.blocks += entry.blocks
+        band.sequences += entry.sequences
         self._size += 1
         self._blocks += entry.blocks
         self._version += 1
@@ -135,6 +138,7 @@ class AdmissionQueue:
         tenant.size -= 1
         band.size -= 1
         band.blocks -= entry.blocks
+        band.sequences -= entry.sequences
         self._size -= 1
         self._blocks -= entry.blocks
         if tenant.size == 0:
@@ -234,22 +238,30 @@ class AdmissionQueue:
         """The requests served before a new one of `band` arriving at `now_s`: those of
         bands as important, and those of less important bands the priority policy
         serves first (starved past its bound)."""
-        ahead = sum(b.size for number, b in self._bands.items() if number <= band)
+        return sum(b.size for b in self._bands_before(band, now_s))
+
+    def sequences_ahead_of(self, band: int, now_s: float) -> int:
+        """The sequences (what the server counts) of `waiting_ahead_of`'s requests."""
+        return sum(b.sequences for b in self._bands_before(band, now_s))
+
+    def _bands_before(self, band: int, now_s: float) -> list[_Band]:
+        """The bands whose waiting requests are all served before a new one of `band`."""
+        before = [b for number, b in self._bands.items() if number <= band]
         views = []
         for number, waiting in self._bands.items():
             oldest = waiting.oldest() if waiting.size and number > band else None
             if oldest is not None:
                 views.append(BandView(number, waiting.size, oldest.arrival_s))
         if not views:
-            return ahead
+            return before
         own = self._bands.get(band)
         oldest_own = own.oldest() if own is not None and own.size else None
         views.append(BandView(band, 1, now_s if oldest_own is None else oldest_own.arrival_s))
         while True:
             picked = self.priority.pick(views, now_s)
             if picked == band:
-                return ahead
-            ahead += self._bands[picked].size
+                return before
+            before.append(self._bands[picked])
             views = [v for v in views if v.band != picked]
 
     def oldest(self) -> Entry | None:
