@@ -3,6 +3,7 @@
 
     flock /tmp/kvgate-heavy.lock python bench/simulator_vs_vllm.py \\
         [--smoke] [--out bench/results/simulator_vs_vllm.json]
+    python bench/simulator_vs_vllm.py --replay RESULT [--fit-terms per_step_s,...]
 
 1. Calibration, on a separate warm-up: a real vLLM CPU server (`small-llama`, the
    CPU's rough figures as a custom device) is sent mixed-length streamed requests in
@@ -294,8 +295,8 @@ def compare(name: str, observed: Sequence[Observed], served: ServedModel, client
 def as_rows(observed: Sequence[Observed]) -> list[list[float]]:
     """Each request as measured: client, sent, prompt and output tokens, first and last
     token (seconds from the workload's start)."""
-    return [[s.client, round(s.sent_s, 5), s.prompt_tokens, s.output_tokens,
-             round(s.first_s or 0.0, 5), round(s.last_s or 0.0, 5)] for s in observed]
+    return [[s.client, round(s.sent_s, 6), s.prompt_tokens, s.output_tokens,
+             round(s.first_s or 0.0, 6), round(s.last_s or 0.0, 6)] for s in observed]
 
 
 def preemptions_total(url: str) -> float:
@@ -381,7 +382,8 @@ def fit_efficiency(shape: ServerShape, warmups: Sequence[tuple[int, Sequence[Obs
     the median TTFT and TPOT. Deterministic."""
     base = shape.served(None)
     values = {name: float(getattr(base.efficiency, name)) for name, _, _ in terms}
-    values["per_step_s"] = max(values["per_step_s"], 1e-3)
+    if "per_step_s" in values:
+        values["per_step_s"] = max(values["per_step_s"], 1e-3)
     measured = [(clients, observed,
                  percentile([s.ttft_s for s in observed if s.ttft_s is not None], 50),
                  percentile([s.tpot_s for s in observed if s.tpot_s is not None], 50))
@@ -457,16 +459,23 @@ def observed_rows(rows: Sequence[Sequence[float]]) -> list[Observed]:
 
 def replay(path: Path, names: Sequence[str]) -> int:
     """Fit again on a result's stored warm-up, with only the terms `names`, and compare
-    its workloads again: which terms the fit needs, without a server."""
+    its workloads again: which terms the fit needs, without a server. The terms not
+    fitted keep this checkout's prior; times were stored to 10 us (1 us since the
+    replay came), so a replay of a run's own fit is within a few points of it, not
+    equal."""
     from support.env import model_dir
 
-    record = json.loads(path.read_text())
+    known = [name for name, _, _ in FITTED]
+    unknown = sorted(set(names) - set(known))
+    if unknown or not names:
+        raise SystemExit(f"--fit-terms: {', '.join(unknown) or 'none given'}: give some of "
+                         f"{', '.join(known)}")
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"--replay {path}: {exc}") from exc
     if "warmup" not in record:
-        raise SystemExit(f"{path}: no stored warm-up (results before it was kept)")
-    unknown = sorted(set(names) - {name for name, _, _ in FITTED})
-    if unknown:
-        raise SystemExit(f"--fit-terms: {', '.join(unknown)} not among "
-                         f"{', '.join(name for name, _, _ in FITTED)}")
+        raise SystemExit(f"--replay {path}: no stored warm-up (results before it was kept)")
     server = dict(record["server"])
     shape = ServerShape(**{**server, "model_dir": str(model_dir(server["served_name"]))})
     warmups = [(w["clients"], observed_rows(w["observed"])) for w in record["warmup"]]
@@ -474,8 +483,9 @@ def replay(path: Path, names: Sequence[str]) -> int:
     served = shape.served(fitted)
     results = [compare(w["workload"], observed_rows(w["observed"]), served, w["clients"],
                        w["preemptions"]["vllm"]) for w in record["workloads"]]
-    print(f"fitted {', '.join(names)}: " + ", ".join(
-        f"{k} {v:.4g}" for k, v in fitted.as_dict().items()))
+    revision = record.get("kvgate_revision", {}).get("commit", "?")
+    print(f"{path} (measured at {revision}), refitted here: " + ", ".join(
+        f"{name} {getattr(fitted, name):.4g}" for name in known if name in names))
     print(table(results))
     print(json.dumps(within_targets(results)["simulator"]))
     return 0
@@ -497,7 +507,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "all of them; the rest keep the prior)")
     args = parser.parse_args(argv)
     if args.replay:
+        if args.smoke or args.out:
+            parser.error("--replay runs no server: --smoke and --out do not apply")
         return replay(args.replay, [n.strip() for n in args.fit_terms.split(",") if n.strip()])
+    if "--fit-terms" in (argv if argv is not None else sys.argv[1:]):
+        parser.error("--fit-terms applies to --replay only (a run fits every term)")
     started = time.time()
     record = provenance("bench/simulator_vs_vllm.py" + (" --smoke" if args.smoke else ""))
     model = "small-llama"

@@ -749,9 +749,10 @@ def test_kvgate_reserves_a_groups_shared_prefix_once() -> None:
 def test_a_stored_comparison_is_fitted_again_without_a_server(
         capsys: pytest.CaptureFixture[str]) -> None:
     """`bench/simulator_vs_vllm.py --replay` refits the shipped result's stored warm-up
-    on the terms asked for, and compares its 15 workloads again; a term it does not fit
-    is named in the error."""
-    from bench.simulator_vs_vllm import Observed, as_rows, main, observed_rows
+    on the terms asked for (the others keep the prior), and compares its 15 workloads
+    again; an unknown or empty list of terms is named in the error."""
+    from bench.simulator_vs_vllm import Observed, ServerShape, as_rows, main, observed_rows
+    from support.env import model_dir
 
     result = Path(__file__).resolve().parent.parent / "bench/results/simulator_vs_vllm.json"
     stored = json.loads(result.read_text())
@@ -759,19 +760,20 @@ def test_a_stored_comparison_is_fitted_again_without_a_server(
     sample = [Observed(3, 0.5, 840, 48, 0.61, 0.9), Observed(0, 1.0, 12, 1, None, None)]
     assert observed_rows(as_rows(sample)) == sample
 
-    assert main(["--replay", str(result), "--fit-terms", "per_step_s,compute"]) == 0
-    printed = capsys.readouterr().out
-    lines = printed.splitlines()
-    assert lines[0].startswith("fitted per_step_s, compute: ")
-    from sidecar.model.latency import ENGINE_TERMS, VLLM
-
-    # A term not asked for keeps the prior.
-    assert lines[0].endswith(f"kv_bandwidth_ratio {ENGINE_TERMS[VLLM].kv_bandwidth_ratio:.4g}")
-    assert sum(line.startswith(("closed c=", "open ")) for line in lines) == 15
-    summary = json.loads(lines[-1])
-    assert summary["workloads"] == 15
-    with pytest.raises(SystemExit, match="per_token_s not among per_step_s"):
-        main(["--replay", str(result), "--fit-terms", "per_token_s"])
+    shape = ServerShape(**{**stored["server"], "model_dir": str(model_dir("small-llama"))})
+    prior = shape.served(None).efficiency
+    for terms in ("per_step_s,compute", "per_request_s"):  # the second without per_step_s
+        assert main(["--replay", str(result), "--fit-terms", terms]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        fitted = dict(part.split(" ") for part in lines[0].partition(": ")[2].split(", "))
+        assert list(fitted) == terms.split(",")
+        first = terms.split(",")[0]
+        assert float(fitted[first]) != pytest.approx(getattr(prior, first), rel=1e-3)
+        assert sum(line.startswith(("closed c=", "open ")) for line in lines) == 15
+        assert json.loads(lines[-1])["workloads"] == 15
+    for bad in ("per_token_s", ","):
+        with pytest.raises(SystemExit, match="--fit-terms: (per_token_s|none given): give"):
+            main(["--replay", str(result), "--fit-terms", bad])
 
 
 @pytest.mark.vllm
