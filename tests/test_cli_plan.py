@@ -134,9 +134,23 @@ def test_vllm_args_and_helm_values(capsys: pytest.CaptureFixture[str]) -> None:
                  "--print", "vllm-args"]) == 0
     args = capsys.readouterr().out
     assert "--max-num-seqs" in args and "--gpu-memory-utilization 0.9" in args
+    assert args.startswith("vllm serve Qwen/Qwen3-8B \\\n")  # positional, not --model
+    assert "--model" not in args
     assert main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "L40S", "--arrival-rate", "5",
                  "--print", "helm-values"]) == 0
     assert "replicaCount:" in capsys.readouterr().out
+
+
+def test_helm_values_name_the_model_asked_for_not_the_preset_that_priced_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The chart passes servedModelName to vLLM as --served-model-name: clients send the
+    id they asked kvgate plan about, not the bundled config of the same architecture."""
+    assert main(["plan", "--model", "meta-llama/Llama-3.1-70B-Instruct", "--gpu", "H100",
+                 "--tp", "4", "--print", "helm-values"]) == 0
+    captured = capsys.readouterr()
+    assert "bundled config of meta-llama/Meta-Llama-3.1-70B" in captured.err
+    assert '  name: "Llama-3.1-70B-Instruct"\n' in captured.out
+    assert '  servedModelName: "meta-llama/Llama-3.1-70B-Instruct"\n' in captured.out
 
 
 @pytest.mark.parametrize(
@@ -157,6 +171,8 @@ def test_vllm_args_and_helm_values(capsys: pytest.CaptureFixture[str]) -> None:
          "--prompt-tokens 1,024 + --output-tokens 100 = 1,124 tokens is more than "
          "--max-model-len 1,000"),
         (["--model", "Qwen/Qwen3-8B", "--chain", "10:x"], "--chain entry '10:x'"),
+        (["--model", "Qwen/Qwen3-8B", "--max-model-len", "4096", "--chain", "1000:200,4000:500"],
+         "--chain call 2 (4,000:500) is 4,500 tokens, more than --max-model-len 4,096"),
         (["--model", "Qwen/Qwen3-8B", "--gpu-memory-utilization", "2"], "in (0, 1]"),
         (["--gpu", "H100"], "--model"),
         (["--model", "Qwen/Qwen3-8B", "--shared-prefix-tokens", "3000"],

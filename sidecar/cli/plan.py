@@ -128,6 +128,17 @@ def _parse_chain(text: str | None) -> tuple[ChainCall, ...]:
     return tuple(calls)
 
 
+def _check_chain(calls: tuple[ChainCall, ...], max_model_len: int) -> tuple[ChainCall, ...]:
+    """A chain whose every call fits in max_model_len (vLLM refuses a longer one)."""
+    for number, call in enumerate(calls, 1):
+        if call.input_tokens + call.output_tokens > max_model_len:
+            raise ModelError(
+                f"--chain call {number} ({call.input_tokens:,}:{call.output_tokens:,}) is "
+                f"{call.input_tokens + call.output_tokens:,} tokens, more than --max-model-len "
+                f"{max_model_len:,}: vLLM refuses every such request")
+    return calls
+
+
 def _note(line: str) -> None:
     print(f"kvgate plan: note: {line}", file=sys.stderr)
 
@@ -177,7 +188,7 @@ def plan_input(args: argparse.Namespace) -> PlanInput:
         ttft_slo_s=args.ttft_slo_ms / 1000 if args.ttft_slo_ms else None,
         tpot_slo_s=args.tpot_slo_ms / 1000 if args.tpot_slo_ms else None,
         kv_margin=args.kv_margin,
-        chain=_parse_chain(args.chain),
+        chain=_check_chain(_parse_chain(args.chain), served.max_model_len),
         prefix_cache=not args.no_prefix_cache,
         shared_prefix_tokens=args.shared_prefix_tokens,
     )
@@ -453,21 +464,23 @@ def engine_flags(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
 def vllm_args(result: dict[str, Any], args: argparse.Namespace) -> str:
     rec = result["recommendation"]
     flags = [
-        f"--model {args.model}",
         f"--tensor-parallel-size {result['tp']}",
         f"--max-model-len {result['max_model_len']}",
         f"--max-num-seqs {rec['max_num_seqs']}",
         f"--gpu-memory-utilization {rec['gpu_memory_utilization']}",
         *engine_flags(result, args),
     ]
-    return " \\\n  ".join(["vllm serve", *flags])
+    # The model positional: vLLM deprecated `vllm serve --model`.
+    return " \\\n  ".join([f"vllm serve {args.model}", *flags])
 
 
 def helm_values(result: dict[str, Any], args: argparse.Namespace) -> str:
     """Values for the kvgate Helm chart (helm/kvgate) from the recommendation."""
     rec = result["recommendation"]
     model = args.model
-    served_name = str(result["model"])
+    # The name clients send: the model asked for (a preset that shares its architecture
+    # may have priced it), or a local directory's configured name.
+    served_name = str(result["model"]) if Path(model).exists() else model
     directory = Path(model).name if Path(model).exists() else served_name.rpartition("/")[2]
     extra = [flag for flag in engine_flags(result, args)
              if not flag.startswith("--data-parallel")]
