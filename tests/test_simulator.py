@@ -334,6 +334,28 @@ def test_a_request_that_never_fits_is_refused_not_run() -> None:
     assert small.finish_s is not None
 
 
+@pytest.mark.parametrize("gate", [None, KvgateGate(0.95)], ids=["vllm", "kvgate"])
+def test_a_request_past_max_model_len_is_served_up_to_it(gate: KvgateGate | None) -> None:
+    """vLLM (0.21 and later) generates up to max_model_len: a request whose prompt +
+    max_tokens passes it is served with its output cut there, and kvgate lets it through
+    as such; a prompt that fills the context is refused. A closed loop's client goes on
+    after either."""
+    model = served(max_len=1024)
+    result = simulate(model, Trace([SimRequest(0.0, 600, 1000), SimRequest(0.0, 1024, 10),
+                                    SimRequest(0.0, 100, 10)]), exact(model), gate)
+    cut, full, short = result.records
+    assert cut.rejected is None and cut.finish_s is not None
+    assert cut.request.output_tokens == 1024 - 600
+    assert full.rejected == "longer than max_model_len" and full.finish_s is None
+    assert short.request.output_tokens == 10 and short.finish_s is not None
+    asked_less = simulate(model, Trace([SimRequest(0.0, 600, 424), SimRequest(0.0, 1024, 10),
+                                        SimRequest(0.0, 100, 10)]), exact(model), gate)
+    assert [r.e2e_s for r in result.records] == [r.e2e_s for r in asked_less.records]
+    loop = simulate(model, ClosedLoop(1, 3, Lengths(600, 1000)), exact(model), gate)
+    assert [r.request.output_tokens for r in loop.records] == [424] * 3
+    assert all(r.finish_s is not None for r in loop.records)
+
+
 @pytest.mark.parametrize("config", [TINY_LLAMA, SLIDING], ids=["full", "sliding"])
 def test_blocks_held_alone_peak_where_the_lifecycle_says(config: dict[str, Any]) -> None:
     # The simulator and admission read the same per-step holding.

@@ -61,7 +61,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from sidecar.model.errors import ModelError
@@ -165,6 +165,7 @@ class _Req:
         "last_step",
         "last_token_s",
         "num_tokens",
+        "origin",
         "output",
         "own",
         "peak",
@@ -179,9 +180,11 @@ class _Req:
         "version",
     )
 
-    def __init__(self, seq: int, spec: SimRequest, rec: RequestRecord) -> None:
+    def __init__(self, seq: int, spec: SimRequest, rec: RequestRecord,
+                 origin: SimRequest | None = None) -> None:
         self.seq = seq
         self.rec = rec
+        self.origin = spec if origin is None else origin  # as the workload sent it
         self.arrival = spec.arrival_s
         self.prompt = spec.prompt_tokens
         self.output = spec.output_tokens
@@ -343,13 +346,14 @@ class Engine:
         # The gate sees a request as it arrives (here: by now), the engine when it sent on.
         seen = self.now if self.gate else cutoff
         while arrivals and arrivals[0][0] <= seen:
-            _, seq, spec = heapq.heappop(arrivals)
+            _, seq, sent = heapq.heappop(arrivals)
+            spec = self._within_context(sent)
             rec = RequestRecord(spec)
             self.records.append(rec)
-            req = _Req(seq, spec, rec)
-            if spec.prompt_tokens + spec.output_tokens > self.served.max_model_len:
+            req = _Req(seq, spec, rec, sent)
+            if spec.output_tokens < 1:
                 rec.rejected = "longer than max_model_len"
-                self._after(spec, self.now)
+                self._after(sent, self.now)
                 continue
             limit = self.gate_cap if self.gate else self.usable
             if self.gate or self._full(spec.prompt_tokens + spec.output_tokens) > limit:
@@ -357,7 +361,7 @@ class Engine:
                                                              spec.output_tokens)
             if req.peak > limit:
                 rec.rejected = "never_fits"
-                self._after(spec, self.now)
+                self._after(sent, self.now)
                 continue
             if spec.prefix_group is not None and spec.prefix_tokens and self.prefix_on:
                 req.group = self.groups.setdefault(spec.prefix_group, _Group())
@@ -420,7 +424,16 @@ class Engine:
         req.rec.rejected = "never_fits"
         if self.gate:
             self._gate_release(req)
-        self._after(req.rec.request, self.now)
+        self._after(req.origin, self.now)
+
+    def _within_context(self, spec: SimRequest) -> SimRequest:
+        """What the server serves of `spec`: vLLM (0.21 and later) generates up to
+        max_model_len, so the output is cut there (none left: the prompt fills the
+        context, a request vLLM refuses)."""
+        room = self.served.max_model_len - spec.prompt_tokens
+        if spec.output_tokens <= room:
+            return spec
+        return replace(spec, output_tokens=max(0, room))
 
     def _after(self, spec: SimRequest, when: float) -> None:
         follow = self.workload.after(spec, when)
@@ -864,7 +877,7 @@ class Engine:
         req.rec.finish_s = self.now + self.per_request_s
         if self.gate:
             self._gate_release(req)
-        self._after(req.rec.request, req.rec.finish_s)
+        self._after(req.origin, req.rec.finish_s)
 
     def _preempt(self, req: _Req) -> None:
         self.preemptions += 1
