@@ -665,6 +665,26 @@ def test_simulate_follows_a_server_without_asynchronous_scheduling(tmp_path: Pat
     assert "no asynchronous scheduling, the API server on the engine's cores (CPU build)" in out
 
 
+def test_the_cpu_build_runs_its_own_block_size_unless_one_is_given(tmp_path: Path) -> None:
+    """vLLM's CPU build picks 128-token blocks (16 for latent attention's reference
+    kernel, 256 for DeepSeek-V4) where a GPU server picks 16."""
+    from sidecar.cli.served_args import cpu_block_size
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**TINY_LLAMA, "max_position_embeddings": 4096}))
+    base = ["plan", "--model", str(config), "--available-kv-gib", "0.05", "--json"]
+    sizes = {}
+    for flags in ([], ["--cpu-build"], ["--cpu-build", "--block-size", "32"]):
+        code, out, _ = _cli([*base, *flags])
+        assert code == 0, out
+        sizes[" ".join(flags)] = json.loads(out)["block_size"]
+    assert sizes == {"": 16, "--cpu-build": 128, "--cpu-build --block-size 32": 32}
+    mla = parse_config({**TINY_LLAMA, "model_type": "deepseek_v3", "kv_lora_rank": 64,
+                 "q_lora_rank": None, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+                 "v_head_dim": 32}, "mla")
+    assert cpu_block_size(mla) == 16
+
+
 def test_simulate_help_explains_the_command() -> None:
     code, out, _ = _cli(["simulate", "--help"])
     assert code == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from sidecar.calibration.store import CalibrationFileError, read_calibration
@@ -28,6 +29,7 @@ from sidecar.model import (
     custom_gpu,
     find_gpu,
 )
+from sidecar.model.architecture import MlaAttention, ModelArchitecture, StateMixer
 from sidecar.model.gpu import with_overrides
 from sidecar.model.quantization import DTYPE_CHOICES
 from sidecar.model.served import (
@@ -135,8 +137,9 @@ def add_served_model_args(parser: Parser) -> None:
                       help="the server is vLLM's CPU build: no asynchronous scheduling, "
                       "and its API server's work per request (tokenizing, the HTTP "
                       "exchange) runs on the cores that compute the steps, so each new "
-                      "request lengthens the step it starts in for every request in it. "
-                      "Used by the simulator")
+                      "request lengthens the step it starts in for every request in it; "
+                      "its default block size (128; 16 with MLA, 256 for DeepSeek-V4) "
+                      "unless --block-size is given")
 
 
 def gpu_from_args(args: argparse.Namespace) -> Gpu | None:
@@ -192,11 +195,29 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
     )
 
 
+def cpu_block_size(arch: ModelArchitecture) -> int | None:
+    """The block size vLLM's CPU build runs `arch` with when none is given
+    (`CpuPlatform.check_and_update_config`, vLLM 0.32): 256 for DeepSeek-V4, 16 for
+    latent attention (its reference kernel; a CPU with AMX tiles keeps 128), else 128.
+    None (vLLM's alignment) for a model with state layers."""
+    mixers = [layer.mixer for layer in arch.layers]
+    if arch.model_type == "deepseek_v4":
+        return 256
+    if any(isinstance(mixer, StateMixer) for mixer in mixers):
+        return None
+    if any(isinstance(mixer, MlaAttention) for mixer in mixers):
+        return 16
+    return 128
+
+
 def served_model_from_args(args: argparse.Namespace,
                            note: Callable[[str], None] | None = None) -> ServedModel:
     """The served model the flags describe, calibrated when --calibration is given."""
     arch = read_model(args.model, note) if note is not None else read_model(args.model)
-    served = ServedModel(arch, deployment_from_args(args), gpu_from_args(args))
+    deployment = deployment_from_args(args)
+    if args.cpu_build and args.block_size is None:
+        deployment = replace(deployment, block_size=cpu_block_size(arch))
+    served = ServedModel(arch, deployment, gpu_from_args(args))
     # vLLM lowers its default max_num_seqs to the batched tokens, but refuses a given one
     # above them.
     if args.max_num_seqs and served.max_num_batched_tokens < served.max_num_seqs:
