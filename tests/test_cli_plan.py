@@ -141,6 +141,26 @@ def test_vllm_args_and_helm_values(capsys: pytest.CaptureFixture[str]) -> None:
     assert "replicaCount:" in capsys.readouterr().out
 
 
+def test_printed_arguments_say_when_the_targets_are_not_met(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A 1 ms TPOT target no deployment meets: the report says NOT MET; --print's
+    arguments still come (the closest deployment), with a note on stderr."""
+    base = ["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--tpot-slo-ms", "1",
+            "--arrival-rate", "4"]
+    assert main(base) == 0
+    report = capsys.readouterr()
+    assert "NOT MET" in report.out and "p90 at 1 client " in report.out
+    assert "targets are not met" not in report.err
+    for emit in ("vllm-args", "helm-values"):
+        assert main([*base, "--print", emit]) == 0
+        printed = capsys.readouterr()
+        assert "the TTFT/TPOT targets are not met even at this recommendation" in printed.err
+        assert printed.out.strip()
+    assert main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--tpot-slo-ms", "100",
+                 "--print", "vllm-args"]) == 0
+    assert "targets are not met" not in capsys.readouterr().err
+
+
 def test_helm_values_name_the_model_asked_for_not_the_preset_that_priced_it(
         capsys: pytest.CaptureFixture[str]) -> None:
     """The chart passes servedModelName to vLLM as --served-model-name: clients send the

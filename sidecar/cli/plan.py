@@ -45,9 +45,10 @@ examples:
   kvgate plan --model Qwen/Qwen3-8B --gpu A100-80GB --prompt-tokens 2000 \\
       --output-tokens 500 --arrival-rate 4 --tpot-slo-ms 50 --print vllm-args
 
-Exit codes: 0 ok; 1 the deployment does not fit (vLLM would refuse to start: the report
-says why, and --print prints no arguments); 2 bad input (the message names what is
-wrong).
+Exit codes: 0 ok (also when no deployment meets the TTFT/TPOT targets: the report says
+NOT MET, --print notes it on stderr); 1 the deployment does not fit (vLLM would refuse to
+start: the report says why, and --print prints no arguments); 2 bad input (the message
+names what is wrong).
 Known GPUs: """
 
 
@@ -271,7 +272,8 @@ def format_report(result: dict[str, Any]) -> str:
          else f"{rec['max_num_seqs']} (limited by {rec['limited_by']})"],
     ]
     if rec.get("ttft_p90_s_at_max") is not None:
-        plan_rows.append([f"p90 at {rec['max_num_seqs']} clients",
+        seats = rec["max_num_seqs"]
+        plan_rows.append([f"p90 at {seats:,} {'client' if seats == 1 else 'clients'}",
                           f"TTFT {_ms(rec['ttft_p90_s_at_max'])}, "
                           + ("" if rec["tpot_p90_s_at_max"] is None
                              else f"TPOT {_ms(rec['tpot_p90_s_at_max'])}, ")
@@ -284,7 +286,7 @@ def format_report(result: dict[str, Any]) -> str:
         plan_rows.append([f"in flight at {rec['arrival_rate']:g} req/s (Little's law)",
                           f"{rec['concurrency_needed']:,.1f}"])
         replicas, engines = rec["replicas"], result["data_parallel_size"]
-        plan_rows.append(["replicas needed", str(replicas) if engines == 1 or replicas is None
+        plan_rows.append(["replicas needed", f"{replicas:,}" if engines == 1 or replicas is None
                           else f"{replicas} engines: {-(-replicas // engines)} server(s) of "
                                f"--data-parallel-size {engines}, or {replicas} pods of the "
                                "chart (one engine each)"])
@@ -310,7 +312,7 @@ def format_report(result: dict[str, Any]) -> str:
         _indent(render(memory_rows)),
         "",
         f"Latency: {result['prompt_tokens']:,} prompt + {result['output_tokens']:,} output "
-        f"tokens, {result['concurrency']} "
+        f"tokens, {result['concurrency']:,} "
         + (("client" if result["concurrency"] == 1 else "clients") + " (simulated closed loop)"
            if simulated else "running"),
         _indent(render(latency_rows)),
@@ -362,7 +364,8 @@ def _simulated_report(runs: dict[str, Any] | None, does_not_fit: bool) -> list[s
 
     rows = []
     for name, run in runs.items():
-        label = (f"closed loop, {run['clients']} clients" if name == "closed_loop"
+        label = (f"closed loop, {run['clients']:,} "
+                 f"{'client' if run['clients'] == 1 else 'clients'}" if name == "closed_loop"
                  else f"open loop, {run['rate_per_s']:g} req/s")
         rate = run["throughput_requests_per_s"]
         rows.append([label, pair(run, "ttft_s"), pair(run, "tpot_s"), pair(run, "e2e_s"),
@@ -549,10 +552,11 @@ def run(argv: Sequence[str], prog: str = "kvgate plan") -> int:
     elif args.emit != "report" and not fits:
         print(f"{prog}: error: the deployment does not fit, so there is nothing to start: "
               + "; ".join(result["fit_problems"]), file=sys.stderr)
-    elif args.emit == "vllm-args":
-        print(vllm_args(result, args))
-    elif args.emit == "helm-values":
-        print(helm_values(result, args))
+    elif args.emit in ("vllm-args", "helm-values"):
+        if result["recommendation"].get("targets_met") is False:
+            _note("the TTFT/TPOT targets are not met even at this recommendation (the "
+                  "report shows its p90s): what is printed sizes the closest deployment")
+        print(vllm_args(result, args) if args.emit == "vllm-args" else helm_values(result, args))
     else:
         print(format_report(result))
     return 0 if fits else 1
