@@ -903,6 +903,29 @@ def test_the_planners_closed_loop_gives_its_steady_state_not_its_start_up() -> N
     # With the first wave in, the p90 was the start-up's.
     start_up = simulate(model, ClosedLoop(80, 3 * 80, Lengths(2000, 500), ramp_s=ramp_s))
     assert start_up.summary()["ttft_s"]["p90"] > 3 * point.ttft_p90_s
+
+
+def test_the_planners_e2e_leaves_out_the_last_wave_that_runs_as_the_loop_ends() -> None:
+    """The last requests of a closed loop run as the other clients stop, faster than
+    the steady state: with them in, the mean E2E fell below what its own medians make.
+    Left out, the planner's mean E2E is TTFT + (output - 1) x TPOT of the steady loop."""
+    from sidecar.cli.plan import build_parser, plan_input
+
+    args = build_parser().parse_args(["--model", "Qwen/Qwen3-8B", "--gpu", "H100",
+                                      "--max-model-len", "32768"])
+    model = plan_input(args).served
+    planner = PlanSimulator(model, 2000, 500)
+    point = planner.closed_loop(16)
+    assert point.tpot_p50_s is not None
+    medians = point.ttft_p50_s + 499 * point.tpot_p50_s
+    assert point.e2e_mean_s == pytest.approx(medians, rel=0.01)
+    ramp_s = planner.closed_loop(1).e2e_mean_s
+    run = simulate(model, ClosedLoop(16, 3 * 16, Lengths(2000, 500), ramp_s=ramp_s))
+    with_end = run.summary(16)
+    assert with_end["e2e_s"]["mean"] < 0.98 * medians
+    steady = run.summary(16, 15)
+    assert (steady["warmup_requests"], steady["cooldown_requests"]) == (16, 15)
+    assert steady["e2e_s"]["mean"] == pytest.approx(point.e2e_mean_s)
     recommendation = planner.recommend(ttft_target_s=1.5)
     assert recommendation.max_num_seqs > 80
     assert recommendation.at_max.ttft_p90_s <= 1.5

@@ -72,7 +72,7 @@ def simulate_plan(served: ServedModel, prompt_tokens: int, output_tokens: int,
         alone = simulate(served, ClosedLoop(1, 1, lengths, seed=seed)).summary()
         ramp_s = alone["e2e_s"]["mean"] or 0.0
     closed = simulate(served, ClosedLoop(concurrency, count, lengths, seed=seed,
-                                         ramp_s=ramp_s)).summary(concurrency)
+                                         ramp_s=ramp_s)).summary(concurrency, concurrency - 1)
     runs["closed_loop"] = {"clients": concurrency, "ramp_s": ramp_s, **closed}
     if arrival_rate_per_s:
         opened = simulate(served, OpenLoop(arrival_rate_per_s, count, lengths,

@@ -5,7 +5,8 @@
   KV cache; TTFT and TPOT are the run's p50 (and p90), E2E its mean, in its steady
   state: the clients start spread over one request's E2E alone (`ClosedLoop.ramp_s`),
   and the first c requests (a start-up wave, queued behind each other where a request
-  under load takes longer than alone) are left out of the figures;
+  under load takes longer than alone) and the last c - 1 (which run as the others end
+  without a next one) are left out of the figures;
 - the recommended `--max-num-seqs`: the largest c, up to the KV margin's limit
   (`planning.kv_concurrency_limit`) and vLLM's max_num_seqs, at which a closed loop of
   c clients on a server with max_num_seqs = c keeps the p90 TTFT and p90 TPOT within
@@ -16,7 +17,7 @@
   both p90s within them. In flight (Little's law) is R x the open loop's mean E2E.
 
 Each closed loop has `REQUESTS_PER_CLIENT` x c requests (at least `MIN_REQUESTS`), of
-which the last (`REQUESTS_PER_CLIENT` - 1) x c give the latency figures; each open loop
+which all but the first c and the last c - 1 give the latency figures; each open loop
 has `OPEN_LOOP_REQUESTS`.
 """
 
@@ -100,7 +101,8 @@ class PlanSimulator:
             count = max(MIN_REQUESTS, REQUESTS_PER_CLIENT * clients)
             ramp = self.closed_loop(1).e2e_mean_s if clients > 1 else 0.0
             workload = ClosedLoop(clients, count, self.lengths, seed=self.seed, ramp_s=ramp)
-            self._runs[key] = self._run(workload, seats, clients, None, warmup=clients)
+            self._runs[key] = self._run(workload, seats, clients, None, warmup=clients,
+                                        cooldown=clients - 1)
         return self._runs[key]
 
     def open_loop(self, rate_per_s: float, max_num_seqs: int | None = None) -> LoadPoint:
@@ -112,9 +114,9 @@ class PlanSimulator:
         return self._runs[key]
 
     def _run(self, workload: Workload, seats: int, clients: int | None,
-             rate: float | None, warmup: int = 0) -> LoadPoint:
+             rate: float | None, warmup: int = 0, cooldown: int = 0) -> LoadPoint:
         config = replace(self.config, max_num_seqs=seats)
-        summary = simulate(self.served, workload, config).summary(warmup)
+        summary = simulate(self.served, workload, config).summary(warmup, cooldown)
         if summary["completed"] < summary["requests"]:
             raise ModelError("the simulated server cannot serve a request of "
                              f"{self.lengths.prompt_tokens} + {self.lengths.output_tokens} "

@@ -113,15 +113,21 @@ class SimulationResult:
         start = min(r.request.arrival_s for r in self.records)
         return max(r.finish_s for r in done if r.finish_s is not None) - start
 
-    def summary(self, warmup_requests: int = 0) -> dict[str, Any]:
+    def summary(self, warmup_requests: int = 0, cooldown_requests: int = 0) -> dict[str, Any]:
         """The JSON-ready figures (`kvgate simulate --json` prints these per policy).
-        The TTFT, TPOT and E2E distributions leave out the first `warmup_requests` to
-        arrive (a closed loop's start-up wave, for its steady state); the counts,
-        throughput, ITL and KV figures cover the whole run."""
+        The TTFT, TPOT and E2E distributions leave out the first `warmup_requests` and
+        the last `cooldown_requests` to arrive (a closed loop's start-up wave, and its
+        last wave, which runs as the others end without a next one: its steady state);
+        the counts, throughput, ITL and KV figures cover the whole run."""
         done = self.completed
-        measured = done if warmup_requests <= 0 else [
-            r for r in sorted(self.records, key=lambda r: r.request.arrival_s)[warmup_requests:]
-            if r.finish_s is not None]
+        measured, warm, cool = done, 0, 0
+        if warmup_requests > 0 or cooldown_requests > 0:
+            ordered = sorted(self.records, key=lambda r: r.request.arrival_s)
+            start = min(len(ordered), max(0, warmup_requests))
+            end = max(start, len(ordered) - max(0, cooldown_requests))
+            measured = [r for r in ordered[start:end] if r.finish_s is not None]
+            warm = sum(1 for r in ordered[:start] if r.finish_s is not None)
+            cool = sum(1 for r in ordered[end:] if r.finish_s is not None)
         ttft = [r.ttft_s for r in measured if r.ttft_s is not None]
         tpot = [r.tpot_s for r in measured if r.tpot_s is not None]
         e2e = [r.e2e_s for r in measured if r.e2e_s is not None]
@@ -136,7 +142,8 @@ class SimulationResult:
         return {
             "requests": len(self.records),
             "completed": len(done),
-            "warmup_requests": len(done) - len(measured),
+            "warmup_requests": warm,
+            "cooldown_requests": cool,
             "rejected": sum(1 for r in self.records if r.rejected),
             "ttft_s": _distribution(ttft),
             "tpot_s": _distribution(tpot),
