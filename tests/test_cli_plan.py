@@ -141,6 +141,26 @@ def test_vllm_args_and_helm_values(capsys: pytest.CaptureFixture[str]) -> None:
     assert "replicaCount:" in capsys.readouterr().out
 
 
+def test_the_closed_form_prices_only_the_requests_that_run_at_once(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """5,000 clients where the server runs far fewer: the closed form beside the
+    simulator prices one prefill beside the requests that fit, not 4,999 decodes."""
+    from sidecar.cli.plan import build_parser, plan_input
+    from sidecar.model.planning import kv_concurrency_limit, steady_latency
+
+    flags = ["--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--max-model-len", "32768",
+             "--prompt-tokens", "2000", "--output-tokens", "500"]
+    served = plan_input(build_parser().parse_args(flags)).served
+    fit = kv_concurrency_limit(served, 2500, 1.0, output_tokens=500)
+    assert fit is not None and fit < served.max_num_seqs < 5000
+    assert main(["plan", *flags, "--concurrency", "5000", "--json"]) == 0
+    closed = json.loads(capsys.readouterr().out)["closed_form"]
+    expected = steady_latency(served, 2000, 500, fit)
+    assert expected is not None
+    assert closed["tpot_s"] == pytest.approx(expected.tpot_s)
+    assert closed["ttft_s"] == pytest.approx(expected.ttft_s)
+
+
 def test_printed_arguments_say_when_the_targets_are_not_met(
         capsys: pytest.CaptureFixture[str]) -> None:
     """A 1 ms TPOT target no deployment meets: the report says NOT MET; --print's
@@ -191,6 +211,8 @@ def test_helm_values_name_the_model_asked_for_not_the_preset_that_priced_it(
          "--prompt-tokens 1,024 + --output-tokens 100 = 1,124 tokens is more than "
          "--max-model-len 1,000"),
         (["--model", "Qwen/Qwen3-8B", "--chain", "10:x"], "--chain entry '10:x'"),
+        (["--model", "Qwen/Qwen3-8B", "--json", "--print", "vllm-args"],
+         "--json and --print vllm-args each say what to print: give one"),
         (["--model", "Qwen/Qwen3-8B", "--max-model-len", "4096", "--chain", "1000:200,4000:500"],
          "--chain call 2 (4,000:500) is 4,500 tokens, more than --max-model-len 4,096"),
         (["--model", "Qwen/Qwen3-8B", "--gpu-memory-utilization", "2"], "in (0, 1]"),
@@ -498,7 +520,15 @@ def test_helm_values_without_a_gpu_say_the_rate_and_targets_were_not_used(
                  "500", "--print", "helm-values"]) == 0
     captured = capsys.readouterr()
     assert "replicaCount: 1" in captured.out
-    assert "not sized for the rate and targets given" in captured.err
+    assert "neither capacity nor latency is known" in captured.err
+    assert "not sized for the arrival rate and targets given" in captured.err
     assert main(["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", "--arrival-rate", "5",
                  "--print", "helm-values"]) == 0
     assert "not sized" not in capsys.readouterr().err
+    # The report too, where the KV budget is known but nothing prices latency.
+    assert main(["plan", "--model", "Qwen/Qwen3-8B", "--available-kv-gib", "10",
+                 "--tpot-slo-ms", "20"]) == 0
+    captured = capsys.readouterr()
+    assert "replicas needed" not in captured.out
+    assert "without a GPU latency is not known: replicas and --max-num-seqs are not sized" in (
+        captured.err)

@@ -540,6 +540,8 @@ def test_ten_thousand_requests_cost_ten_times_a_thousand() -> None:
     ('[1, 2]', "line 2: expected a JSON object"),
     ('{"arrival_s": 0, "output_tokens": 5}', "line 2: missing field 'prompt_tokens'"),
     ('{"arrival_s": -1, "prompt_tokens": 5, "output_tokens": 5}', "line 2: arrival_s must be"),
+    ('{"arrival_s": 1e308, "prompt_tokens": 5, "output_tokens": 5}',
+     r"line 2: arrival_s must be a number from 0 to 1e\+09 \(seconds\), got 1e\+308"),
     ('{"arrival_s": 0, "prompt_tokens": "5", "output_tokens": 5}',
      "line 2: prompt_tokens must be an integer >= 1, got '5'"),
     ('{"arrival_s": 0, "prompt_tokens": 5, "output_tokens": 0}',

@@ -490,10 +490,6 @@ def helm_values(result: dict[str, Any], args: argparse.Namespace) -> str:
     if args.data_parallel_size > 1:
         _note("the chart runs one engine per pod (gpu.count is its tensor-parallel size): "
               "--data-parallel-size is left out; scale with replicaCount instead")
-    if result["fits"] is None and (args.arrival_rate or args.ttft_slo_ms or args.tpot_slo_ms):
-        _note("without a GPU or a logged KV budget neither capacity nor latency is known: "
-              "replicaCount and maxNumSeqs are not sized for the rate and targets given "
-              "(give --gpu or --available-kv-gib)")
     lines = [
         "# Values for the kvgate chart (helm/kvgate), from `kvgate plan`",
         "model:",
@@ -523,6 +519,19 @@ def helm_values(result: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _note_load_not_sized(result: dict[str, Any], args: argparse.Namespace) -> None:
+    """A note when an arrival rate or latency targets were given and cannot be used:
+    without a GPU nothing prices latency (and without a KV budget, no capacity)."""
+    if result["fits"] is False or result.get("latency_source") is not None:
+        return
+    if not (args.arrival_rate or args.ttft_slo_ms or args.tpot_slo_ms):
+        return
+    unknown = ("neither capacity nor latency is known" if result["fits"] is None
+               else "latency is not known")
+    _note(f"without a GPU {unknown}: replicas and --max-num-seqs are not sized for the "
+          "arrival rate and targets given (give --gpu)")
+
+
 def _split_flag(flag: str) -> list[str]:
     """`--name value` as ["--name", "value"], the value unquoted."""
     name, _, value = flag.partition(" ")
@@ -534,6 +543,8 @@ def _split_flag(flag: str) -> list[str]:
 def run(argv: Sequence[str], prog: str = "kvgate plan") -> int:
     parser = build_parser(prog)
     args = parser.parse_args(argv)
+    if args.json and args.emit != "report":
+        parser.error(f"--json and --print {args.emit} each say what to print: give one")
     try:
         inputs = plan_input(args)
         result = compute_plan(inputs)
@@ -547,6 +558,7 @@ def run(argv: Sequence[str], prog: str = "kvgate plan") -> int:
     except ValueError as exc:  # e.g. a calibration with out-of-range factors
         parser.error(str(exc))
     fits = result["fits"] is not False
+    _note_load_not_sized(result, args)
     if args.json:
         print(json.dumps(result, indent=2))
     elif args.emit != "report" and not fits:

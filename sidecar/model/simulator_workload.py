@@ -172,6 +172,10 @@ _TRACE_FIELDS = ("arrival_s", "prompt_tokens", "output_tokens", "prefix_group",
                  "prefix_tokens", "priority")
 
 
+# Seconds: past this (31 years) a step's milliseconds are lost in the arrival times.
+MAX_ARRIVAL_S = 1e9
+
+
 def parse_trace(lines: Iterable[str], source: str = "trace") -> list[SimRequest]:
     """Requests from JSON lines; blank lines and lines starting with # are skipped.
 
@@ -198,8 +202,9 @@ def parse_trace(lines: Iterable[str], source: str = "trace") -> list[SimRequest]
                 raise TraceError(f"{where}: missing field {name!r}")
         arrival = item["arrival_s"]
         if isinstance(arrival, bool) or not isinstance(arrival, int | float) \
-                or not 0 <= arrival < float("inf"):
-            raise TraceError(f"{where}: arrival_s must be a number >= 0, got {arrival!r}")
+                or not 0 <= arrival <= MAX_ARRIVAL_S:
+            raise TraceError(f"{where}: arrival_s must be a number from 0 to {MAX_ARRIVAL_S:g} "
+                             f"(seconds), got {arrival!r}")
         group = item.get("prefix_group")
         if group is not None and (isinstance(group, bool) or not isinstance(group, str | int)):
             raise TraceError(f"{where}: prefix_group must be a string or an integer, "

@@ -46,7 +46,15 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
     capacity = served.capacity
     budget = served.memory_budget
     shared_prefix = plan.shared_prefix_tokens if plan.prefix_cache else 0
-    latency = steady_latency(served, plan.prompt_tokens, plan.output_tokens, plan.concurrency,
+    # The closed form prices the requests that run at once: no more than the server's
+    # sequences and, at their peak, its KV cache hold (the rest wait, which it does not
+    # see).
+    running = plan.concurrency
+    fit = kv_concurrency_limit(served, plan.prompt_tokens + plan.output_tokens, 1.0,
+                               output_tokens=plan.output_tokens,
+                               shared_prefix_tokens=shared_prefix)
+    running = min(running, served.max_num_seqs, max(1, fit) if fit is not None else running)
+    latency = steady_latency(served, plan.prompt_tokens, plan.output_tokens, running,
                              shared_prefix)
     rec = recommend(
         served,
