@@ -463,6 +463,16 @@ def test_listing_commands_explain_themselves(command: str,
     assert "takes no options" in capsys.readouterr().err
 
 
+def test_the_gpu_list_shows_the_other_names_plan_accepts(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`--gpu H100` is what the examples use: the list says which entry it names."""
+    assert main(["gpus"]) == 0
+    rows = {line.split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "also as --gpu" in rows["gpu"]
+    assert "h100," in rows["H100-SXM"] and "a100," in rows["A100-80GB"]
+    assert find_gpu("H100").name == "H100-SXM" and find_gpu("a100").name == "A100-80GB"
+
+
 def test_the_plan_of_a_running_server_never_says_it_does_not_fit() -> None:
     # The same deployment, with a cache too small for one --max-model-len request: the
     # offline plan says vLLM would refuse to start; a server that runs (GET
@@ -510,8 +520,11 @@ def test_with_data_parallel_engines_the_replicas_are_engines_and_servers_are_cou
     assert isinstance(engines, int) and engines > 2
     # Engines of two per server: the servers are the engines halved, rounded up.
     assert main([*args, "--data-parallel-size", "2"]) == 0
+    out = capsys.readouterr().out
     assert (f"{engines} engines: {(engines + 1) // 2} server(s) of --data-parallel-size 2, "
-            f"or {engines} pods of the chart" in capsys.readouterr().out)
+            f"or {engines} pods of the chart" in out)
+    assert out.startswith("Qwen/Qwen3-8B (qwen3) on H100-SXM x1 per engine, 2 engines "
+                          "(data parallel), ")
 
 
 def test_helm_values_without_a_gpu_say_the_rate_and_targets_were_not_used(

@@ -39,7 +39,8 @@ PRESETS_HELP = ("List the model configs bundled with kvgate, one Hugging Face id
                 "each usable\noffline as --model (kvgate plan, kvgate simulate) or "
                 "--model-config (kvgate serve).")
 GPUS_HELP = ("List the GPU catalogue: memory, bandwidth and dense bf16 / fp8 TFLOP/s per "
-             "GPU, and where\neach figure comes from. A name is usable as `--gpu`.")
+             "GPU, and where\neach figure comes from. A name or any of its other names "
+             "(case-insensitive) is usable as `--gpu`.")
 
 
 def _presets(argv: Sequence[str]) -> int:
@@ -61,11 +62,13 @@ def _gpus(argv: Sequence[str]) -> int:
     from sidecar.model import CATALOGUE
 
     rows = [
-        [gpu.name, f"{gpu.memory_gib:g}", f"{gpu.bandwidth_gbps:,.0f}", f"{gpu.bf16_tflops:,.0f}",
+        [gpu.name, ", ".join(a for a in gpu.aliases if a != gpu.name.lower()) or "-",
+         f"{gpu.memory_gib:g}", f"{gpu.bandwidth_gbps:,.0f}", f"{gpu.bf16_tflops:,.0f}",
          f"{gpu.fp8_tflops:,.0f}" if gpu.fp8_tflops else "-", gpu.source]
         for gpu in CATALOGUE
     ]
-    print(render(rows, ["gpu", "memory GiB", "GB/s", "bf16 TFLOPS", "fp8 TFLOPS", "source"]))
+    print(render(rows, ["gpu", "also as --gpu", "memory GiB", "GB/s", "bf16 TFLOPS",
+                        "fp8 TFLOPS", "source"]))
     return 0
 
 

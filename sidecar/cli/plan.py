@@ -216,7 +216,10 @@ def _indent(text: str) -> str:
 def format_report(result: dict[str, Any]) -> str:
     head = (
         f"{result['model']} ({result['model_type']}) on "
-        f"{result['gpu'] or 'no GPU given'} x{result['tp']}, weights {result['weight_precision']},"
+        f"{result['gpu'] or 'no GPU given'} x{result['tp']}"
+        + (f" per engine, {result['data_parallel_size']} engines (data parallel)"
+           if result["data_parallel_size"] > 1 else "")
+        + f", weights {result['weight_precision']},"
         f" KV {result['kv_cache_element_bytes']} B/element, block {result['block_size']} tokens"
     )
     params = (f"{result['params_total'] / 1e9:,.2f} B / {result['params_active'] / 1e9:,.2f} B")
