@@ -211,6 +211,8 @@ def test_helm_values_name_the_model_asked_for_not_the_preset_that_priced_it(
          "--prompt-tokens 1,024 + --output-tokens 100 = 1,124 tokens is more than "
          "--max-model-len 1,000"),
         (["--model", "Qwen/Qwen3-8B", "--chain", "10:x"], "--chain entry '10:x'"),
+        (["--model", "Qwen/Qwen3-8B", "--max-model-len", "4096", "--sequence-tokens", "5000"],
+         "--sequence-tokens 5,000 is more than --max-model-len 4,096"),
         (["--model", "Qwen/Qwen3-8B", "--json", "--print", "vllm-args"],
          "--json and --print vllm-args each say what to print: give one"),
         (["--model", "Qwen/Qwen3-8B", "--max-model-len", "4096", "--chain", "1000:200,4000:500"],

@@ -174,6 +174,9 @@ def plan_input(args: argparse.Namespace) -> PlanInput:
         raise ModelError(
             f"--shared-prefix-tokens {args.shared_prefix_tokens:,} is more than --prompt-tokens "
             f"{prompt_tokens:,}: the shared prefix is the start of every prompt")
+    if args.sequence_tokens and args.sequence_tokens > served.max_model_len:
+        raise ModelError(f"--sequence-tokens {args.sequence_tokens:,} is more than --max-model-len "
+                         f"{served.max_model_len:,}: no sequence grows past it")
     context = served.arch.context
     if context.limit is not None and served.max_model_len > context.limit:
         _note(f"--max-model-len {served.max_model_len:,} is beyond the model's "
