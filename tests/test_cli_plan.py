@@ -154,11 +154,16 @@ def test_the_closed_form_prices_only_the_requests_that_run_at_once(
     fit = kv_concurrency_limit(served, 2500, 1.0, output_tokens=500)
     assert fit is not None and fit < served.max_num_seqs < 5000
     assert main(["plan", *flags, "--concurrency", "5000", "--json"]) == 0
-    closed = json.loads(capsys.readouterr().out)["closed_form"]
+    result = json.loads(capsys.readouterr().out)
+    closed = result["closed_form"]
+    assert result["closed_form_running"] == fit
     expected = steady_latency(served, 2000, 500, fit)
     assert expected is not None
     assert closed["tpot_s"] == pytest.approx(expected.tpot_s)
     assert closed["ttft_s"] == pytest.approx(expected.ttft_s)
+    assert main(["plan", *flags, "--concurrency", "5000"]) == 0
+    assert f"closed form (one prefill beside {fit - 1} decodes: what runs at once)" in (
+        capsys.readouterr().out)
 
 
 def test_printed_arguments_say_when_the_targets_are_not_met(
@@ -191,6 +196,27 @@ def test_helm_values_name_the_model_asked_for_not_the_preset_that_priced_it(
     assert "bundled config of meta-llama/Meta-Llama-3.1-70B" in captured.err
     assert '  name: "Llama-3.1-70B-Instruct"\n' in captured.out
     assert '  servedModelName: "meta-llama/Llama-3.1-70B-Instruct"\n' in captured.out
+
+
+def test_printed_arguments_name_a_local_model_by_its_directory_and_a_preset_by_its_id(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM loads a directory, and the chart mounts one: a local config.json is named by
+    its directory; a preset's bare name by the preset's own id."""
+    from sidecar.model.presets import load
+
+    model = tmp_path / "qwen3-8b"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(load("Qwen/Qwen3-8B")))
+    for given in (str(model / "config.json"), str(model)):
+        assert main(["plan", "--model", given, "--gpu", "H100", "--print", "vllm-args"]) == 0
+        assert capsys.readouterr().out.startswith(f"vllm serve {model} \\\n")
+        assert main(["plan", "--model", given, "--gpu", "H100", "--print", "helm-values"]) == 0
+        assert '  name: "qwen3-8b"\n' in capsys.readouterr().out
+    assert main(["plan", "--model", "qwen3-8b", "--gpu", "H100", "--print", "vllm-args"]) == 0
+    assert capsys.readouterr().out.startswith("vllm serve Qwen/Qwen3-8B \\\n")
+    assert main(["plan", "--model", "qwen3-8b", "--gpu", "H100", "--print", "helm-values"]) == 0
+    out = capsys.readouterr().out
+    assert '  name: "Qwen3-8B"\n' in out and '  servedModelName: "Qwen/Qwen3-8B"\n' in out
 
 
 @pytest.mark.parametrize(
@@ -336,8 +362,8 @@ def test_a_deployment_that_does_not_fit_exits_1_and_recommends_nothing(
 
 def test_a_request_longer_than_max_model_len_is_bad_input(
         capsys: pytest.CaptureFixture[str]) -> None:
-    # vLLM refuses every request of prompt + max_tokens past --max-model-len: a plan of
-    # such requests (or its vLLM flags) would describe a server that serves none.
+    # vLLM cuts (0.32) or refuses (0.20) a request of prompt + max_tokens past
+    # --max-model-len: a plan of such requests (or its flags) would not be of them.
     for extra in (["--max-model-len", "512", "--prompt-tokens", "300", "--output-tokens",
                    "300"], ["--prompt-tokens", "100000"]):
         with pytest.raises(SystemExit) as exit_info:

@@ -225,7 +225,9 @@ def test_the_wait_for_the_request_limit_counts_the_sequences_queued_ahead() -> N
         views = dict(zip(ctl._running, ctl.running_requests(), strict=True))
         first_s, last_s = views[short].finish_in_s, views[long].finish_in_s
         assert 0 < first_s < last_s
-        # Queued requests must not time out before the last one finishes.
+        # A queue that waits longer than the first finish but not the last: the request
+        # ahead (room at the first finish) queues; the newcomer (room at the last) is
+        # refused by its predicted wait.
         ctl.settings = replace(ctl.settings, limits=QueueLimits(max_wait_s=(
             first_s + last_s) / 2))
         ahead = asyncio.ensure_future(ctl.admit(AdmissionRequest(

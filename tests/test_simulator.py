@@ -334,26 +334,58 @@ def test_a_request_that_never_fits_is_refused_not_run() -> None:
     assert small.finish_s is not None
 
 
+class _Chained:
+    """A workload whose every next request answers the very request the engine was
+    sent (as bench/simulator_vs_vllm.py's replay keys its clients): each of `specs`
+    after the one before it ends."""
+
+    def __init__(self, specs: list[SimRequest]) -> None:
+        self.specs = specs
+        self.answered: list[SimRequest] = []
+
+    def initial(self) -> list[SimRequest]:
+        return self.specs[:1]
+
+    def after(self, finished: SimRequest, finish_s: float) -> SimRequest | None:
+        assert any(finished is spec for spec in self.specs), finished
+        self.answered.append(finished)
+        index = next(i for i, spec in enumerate(self.specs) if spec is finished) + 1
+        if index == len(self.specs):
+            return None
+        return self._resend(self.specs[index], finish_s)
+
+    def _resend(self, spec: SimRequest, at_s: float) -> SimRequest:
+        sent = SimRequest(at_s, spec.prompt_tokens, spec.output_tokens)
+        self.specs[self.specs.index(spec)] = sent
+        return sent
+
+
 @pytest.mark.parametrize("gate", [None, KvgateGate(0.95)], ids=["vllm", "kvgate"])
 def test_a_request_past_max_model_len_is_served_up_to_it(gate: KvgateGate | None) -> None:
-    """vLLM (0.21 and later) generates up to max_model_len: a request whose prompt +
-    max_tokens passes it is served with its output cut there, and kvgate lets it through
-    as such; a prompt that fills the context is refused. A closed loop's client goes on
-    after either."""
+    """vLLM 0.32 generates up to max_model_len: a request whose prompt + max_tokens
+    passes it is served with its output cut there, and kvgate lets it through as such;
+    a prompt that fills the context, or a max_tokens above max_model_len itself, is
+    refused. The workload hears back about the request it sent, cut or refused."""
     model = served(max_len=1024)
     result = simulate(model, Trace([SimRequest(0.0, 600, 1000), SimRequest(0.0, 1024, 10),
-                                    SimRequest(0.0, 100, 10)]), exact(model), gate)
-    cut, full, short = result.records
+                                    SimRequest(0.0, 10, 2000), SimRequest(0.0, 100, 10)]),
+                      exact(model), gate)
+    cut, full, too_many, short = result.records
     assert cut.rejected is None and cut.finish_s is not None
     assert cut.request.output_tokens == 1024 - 600
-    assert full.rejected == "longer than max_model_len" and full.finish_s is None
+    for refused in (full, too_many):
+        assert refused.rejected == "longer than max_model_len" and refused.finish_s is None
     assert short.request.output_tokens == 10 and short.finish_s is not None
     asked_less = simulate(model, Trace([SimRequest(0.0, 600, 424), SimRequest(0.0, 1024, 10),
-                                        SimRequest(0.0, 100, 10)]), exact(model), gate)
+                                        SimRequest(0.0, 10, 2000), SimRequest(0.0, 100, 10)]),
+                          exact(model), gate)
     assert [r.e2e_s for r in result.records] == [r.e2e_s for r in asked_less.records]
-    loop = simulate(model, ClosedLoop(1, 3, Lengths(600, 1000)), exact(model), gate)
-    assert [r.request.output_tokens for r in loop.records] == [424] * 3
-    assert all(r.finish_s is not None for r in loop.records)
+    chained = _Chained([SimRequest(0.0, 600, 1000), SimRequest(0.0, 1024, 10),
+                        SimRequest(0.0, 100, 10)])
+    run = simulate(model, chained, exact(model), gate)
+    assert [r.request.output_tokens for r in run.records] == [424, 10, 10]
+    assert [r.rejected for r in run.records] == [None, "longer than max_model_len", None]
+    assert [spec.output_tokens for spec in chained.answered] == [1000, 10, 10]
 
 
 @pytest.mark.parametrize("config", [TINY_LLAMA, SLIDING], ids=["full", "sliding"])
@@ -667,9 +699,10 @@ def test_simulate_follows_a_server_without_asynchronous_scheduling(tmp_path: Pat
     assert "no asynchronous scheduling, the API server on the engine's cores (CPU build)" in out
 
 
-def test_the_cpu_build_runs_its_own_block_size_unless_one_is_given(tmp_path: Path) -> None:
-    """vLLM's CPU build picks 128-token blocks (16 for latent attention's reference
-    kernel, 256 for DeepSeek-V4) where a GPU server picks 16."""
+def test_the_cpu_build_runs_its_own_block_size(tmp_path: Path) -> None:
+    """vLLM's CPU build picks 128-token blocks where a GPU server picks 16 (a given
+    --block-size is kept), aligns a hybrid's from 128, and runs latent attention at 16
+    and DeepSeek-V4 at 256 whatever is given."""
     from sidecar.cli.served_args import cpu_block_size
 
     config = tmp_path / "config.json"
@@ -682,9 +715,23 @@ def test_the_cpu_build_runs_its_own_block_size_unless_one_is_given(tmp_path: Pat
         sizes[" ".join(flags)] = json.loads(out)["block_size"]
     assert sizes == {"": 16, "--cpu-build": 128, "--cpu-build --block-size 32": 32}
     mla = parse_config({**TINY_LLAMA, "model_type": "deepseek_v3", "kv_lora_rank": 64,
-                 "q_lora_rank": None, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
-                 "v_head_dim": 32}, "mla")
-    assert cpu_block_size(mla) == 16
+                        "q_lora_rank": None, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+                        "v_head_dim": 32}, "mla")
+    assert cpu_block_size(mla, None) == cpu_block_size(mla, 64) == 16
+    planner = Path(__file__).parent / "data" / "planner"
+    # Qwen3-Next's state layers align the attention block: from 16 on a GPU (544), from
+    # 128 on the CPU build (5 x 128 = 640, the first multiple of 128 whose pages hold
+    # a state; vLLM 0.32's _align_hybrid_block_size), from a given 64 as on a GPU (576).
+    for name, expected in (("Qwen__Qwen3-Next-80B-A3B-Instruct", (544, 640, 576)),
+                           ("deepseek-ai__DeepSeek-V4-Flash", (256, 256, 256))):
+        found = []
+        for flags in ([], ["--cpu-build"], ["--cpu-build", "--block-size", "64"]):
+            code, out, err = _cli(["plan", "--model", str(planner / f"{name}.json"), "--json",
+                                   *flags])
+            assert code == 0, err
+            found.append(json.loads(out)["block_size"])
+        assert tuple(found) == expected, name
+    assert "runs this model with 256-token blocks whatever is given" in err
 
 
 def test_simulate_help_explains_the_command() -> None:
@@ -905,6 +952,9 @@ def test_the_planners_closed_loop_gives_its_steady_state_not_its_start_up() -> N
     # With the first wave in, the p90 was the start-up's.
     start_up = simulate(model, ClosedLoop(80, 3 * 80, Lengths(2000, 500), ramp_s=ramp_s))
     assert start_up.summary()["ttft_s"]["p90"] > 3 * point.ttft_p90_s
+    recommendation = planner.recommend(ttft_target_s=1.5)
+    assert recommendation.max_num_seqs > 80
+    assert recommendation.at_max.ttft_p90_s <= 1.5
 
 
 def test_the_planners_e2e_leaves_out_the_last_wave_that_runs_as_the_loop_ends() -> None:
@@ -928,6 +978,3 @@ def test_the_planners_e2e_leaves_out_the_last_wave_that_runs_as_the_loop_ends() 
     steady = run.summary(16, 15)
     assert (steady["warmup_requests"], steady["cooldown_requests"]) == (16, 15)
     assert steady["e2e_s"]["mean"] == pytest.approx(point.e2e_mean_s)
-    recommendation = planner.recommend(ttft_target_s=1.5)
-    assert recommendation.max_num_seqs > 80
-    assert recommendation.at_max.ttft_p90_s <= 1.5

@@ -20,6 +20,7 @@ from sidecar.model import (
     ChainCall,
     ModelError,
     gpu_names,
+    presets,
 )
 from sidecar.model.planning import DEFAULT_KV_MARGIN
 from sidecar.model.simulator import simulate_plan
@@ -101,8 +102,8 @@ def build_parser(prog: str = "kvgate plan") -> Parser:
     load.add_argument("--simulate", action="store_true",
                       help="also print the engine simulator's full summaries (`kvgate "
                       "simulate`) of this workload: a closed loop of --concurrency clients "
-                      "started together and, with --arrival-rate, a Poisson open loop at "
-                      "that rate on one replica (needs a GPU)")
+                      "started one request's time apart and, with --arrival-rate, a Poisson "
+                      "open loop at that rate on one replica (needs a GPU)")
 
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print one JSON object")
@@ -130,13 +131,15 @@ def _parse_chain(text: str | None) -> tuple[ChainCall, ...]:
 
 
 def _check_chain(calls: tuple[ChainCall, ...], max_model_len: int) -> tuple[ChainCall, ...]:
-    """A chain whose every call fits in max_model_len (vLLM refuses a longer one)."""
+    """A chain whose every call fits in max_model_len (vLLM cuts a longer one's output,
+    or refuses it: it would not be the chain planned)."""
     for number, call in enumerate(calls, 1):
         if call.input_tokens + call.output_tokens > max_model_len:
             raise ModelError(
                 f"--chain call {number} ({call.input_tokens:,}:{call.output_tokens:,}) is "
                 f"{call.input_tokens + call.output_tokens:,} tokens, more than --max-model-len "
-                f"{max_model_len:,}: vLLM refuses every such request")
+                f"{max_model_len:,}: vLLM would cut its output there (0.32) or refuse it "
+                "(0.20 and before)")
     return calls
 
 
@@ -146,8 +149,8 @@ def _note(line: str) -> None:
 
 def _request_tokens(args: argparse.Namespace, max_model_len: int) -> tuple[int, int]:
     """The planned request's prompt and output tokens. A request the user gave that is
-    longer than max_model_len is bad input (vLLM refuses every such request); the
-    default one is shortened to fit, with a note."""
+    longer than max_model_len is bad input (vLLM cuts its output there or refuses it:
+    not the request planned); the default one is shortened to fit, with a note."""
     prompt, output = args.prompt_tokens, args.output_tokens
     default = DEFAULT_PROMPT_TOKENS + DEFAULT_OUTPUT_TOKENS
     if prompt is None and output is None and default > max_model_len:
@@ -162,8 +165,9 @@ def _request_tokens(args: argparse.Namespace, max_model_len: int) -> tuple[int, 
     if prompt + output > max_model_len:
         raise ModelError(
             f"--prompt-tokens {prompt:,} + --output-tokens {output:,} = {prompt + output:,} "
-            f"tokens is more than --max-model-len {max_model_len:,}: vLLM refuses every such "
-            "request; raise --max-model-len or plan shorter requests")
+            f"tokens is more than --max-model-len {max_model_len:,}: vLLM would cut its output "
+            "there (0.32) or refuse it (0.20 and before); raise --max-model-len or plan "
+            "shorter requests")
     return prompt, output
 
 
@@ -216,6 +220,13 @@ def _indent(text: str) -> str:
     return "\n".join("  " + line if line else line for line in text.splitlines())
 
 
+def _closed_form_label(result: dict[str, Any]) -> str:
+    running = result["closed_form_running"]
+    if running == result["concurrency"]:
+        return "closed form (one prefill beside c - 1 decodes)"
+    return f"closed form (one prefill beside {running - 1:,} decodes: what runs at once)"
+
+
 def format_report(result: dict[str, Any]) -> str:
     head = (
         f"{result['model']} ({result['model_type']}) on "
@@ -262,7 +273,7 @@ def format_report(result: dict[str, Any]) -> str:
              else f"{_ms(result['tpot_s'])} / {_ms(result['tpot_p90_s'])}"
              f"{_bound(result['decode_bound'])}"],
             ["E2E mean", _ms(result["e2e_s"])],
-            ["closed form (one prefill beside c - 1 decodes)",
+            [_closed_form_label(result),
              f"TTFT {_ms(closed.get('ttft_s'))}, TPOT {_ms(closed.get('tpot_s'))}"],
         ]
     else:
@@ -318,9 +329,11 @@ def format_report(result: dict[str, Any]) -> str:
         _indent(render(memory_rows)),
         "",
         f"Latency: {result['prompt_tokens']:,} prompt + {result['output_tokens']:,} output "
-        f"tokens, {result['concurrency']:,} "
-        + (("client" if result["concurrency"] == 1 else "clients") + " (simulated closed loop)"
-           if simulated else "running"),
+        + (f"tokens, {result['concurrency']:,} "
+           + ("client" if result["concurrency"] == 1 else "clients") + " (simulated closed loop)"
+           if simulated else f"tokens, {result['closed_form_running']:,} running"
+           + ("" if result["closed_form_running"] == result["concurrency"]
+              else f" (of {result['concurrency']:,} clients: what runs at once)")),
         _indent(render(latency_rows)),
         "",
         "Plan",
@@ -479,18 +492,18 @@ def vllm_args(result: dict[str, Any], args: argparse.Namespace) -> str:
         f"--gpu-memory-utilization {rec['gpu_memory_utilization']}",
         *engine_flags(result, args),
     ]
-    # The model positional: vLLM deprecated `vllm serve --model`.
-    return " \\\n  ".join([f"vllm serve {args.model}", *flags])
+    # The model positional (vLLM deprecated `vllm serve --model`): a local config's
+    # directory, which is what vLLM loads, or the id (a preset's own for its bare name).
+    local = Path(args.model).expanduser()
+    model = (str(local.parent if local.is_file() else local) if local.exists()
+             else _model_names(args.model, str(result["model"]))[0])
+    return " \\\n  ".join([f"vllm serve {model}", *flags])
 
 
 def helm_values(result: dict[str, Any], args: argparse.Namespace) -> str:
     """Values for the kvgate Helm chart (helm/kvgate) from the recommendation."""
     rec = result["recommendation"]
-    model = args.model
-    # The name clients send: the model asked for (a preset that shares its architecture
-    # may have priced it), or a local directory's configured name.
-    served_name = str(result["model"]) if Path(model).exists() else model
-    directory = Path(model).name if Path(model).exists() else served_name.rpartition("/")[2]
+    served_name, directory = _model_names(args.model, str(result["model"]))
     extra = [flag for flag in engine_flags(result, args)
              if not flag.startswith("--data-parallel")]
     if args.data_parallel_size > 1:
@@ -536,6 +549,19 @@ def _note_load_not_sized(result: dict[str, Any], args: argparse.Namespace) -> No
                else "latency is not known")
     _note(f"without a GPU {unknown}: replicas and --max-num-seqs are not sized for the "
           "arrival rate and targets given (give --gpu)")
+
+
+def _model_names(model: str, planned: str) -> tuple[str, str]:
+    """(the name clients send, the model's directory) for the chart. A local config's
+    directory and its configured name; a preset's own id for its bare name or file
+    stem; else the id asked for, not the preset of the same architecture that priced
+    it (clients send that id)."""
+    local = Path(model).expanduser()
+    if local.exists():
+        return planned, (local.parent if local.is_file() else local).name
+    found = presets.match(model)
+    served = found.preset if found is not None and found.exact else model
+    return served, served.rpartition("/")[2]
 
 
 def _split_flag(flag: str) -> list[str]:

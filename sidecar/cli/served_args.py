@@ -29,7 +29,7 @@ from sidecar.model import (
     custom_gpu,
     find_gpu,
 )
-from sidecar.model.architecture import MlaAttention, ModelArchitecture, StateMixer
+from sidecar.model.architecture import MlaAttention, ModelArchitecture
 from sidecar.model.gpu import with_overrides
 from sidecar.model.quantization import DTYPE_CHOICES
 from sidecar.model.served import (
@@ -138,8 +138,9 @@ def add_served_model_args(parser: Parser) -> None:
                       "and its API server's work per request (tokenizing, the HTTP "
                       "exchange) runs on the cores that compute the steps, so each new "
                       "request lengthens the step it starts in for every request in it; "
-                      "its default block size (128; 16 with MLA, 256 for DeepSeek-V4) "
-                      "unless --block-size is given")
+                      "and its block size: 128 unless --block-size is given (hybrids "
+                      "aligned from it), always 16 with latent attention and 256 for "
+                      "DeepSeek-V4, as the build's kernels require")
 
 
 def gpu_from_args(args: argparse.Namespace) -> Gpu | None:
@@ -195,19 +196,16 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
     )
 
 
-def cpu_block_size(arch: ModelArchitecture) -> int | None:
-    """The block size vLLM's CPU build runs `arch` with when none is given
-    (`CpuPlatform.check_and_update_config`, vLLM 0.32): 256 for DeepSeek-V4, 16 for
-    latent attention (its reference kernel; a CPU with AMX tiles keeps 128), else 128.
-    None (vLLM's alignment) for a model with state layers."""
-    mixers = [layer.mixer for layer in arch.layers]
+def cpu_block_size(arch: ModelArchitecture, given: int | None) -> int:
+    """The block size vLLM's CPU build runs `arch` with (`CpuPlatform.
+    check_and_update_config`, vLLM 0.32): 256 for DeepSeek-V4 and 16 for latent
+    attention (its reference kernel; a CPU with AMX tiles keeps the rest's), whatever
+    was `given`; else `given`, or 128 (a hybrid's state layers align from it)."""
     if arch.model_type == "deepseek_v4":
         return 256
-    if any(isinstance(mixer, StateMixer) for mixer in mixers):
-        return None
-    if any(isinstance(mixer, MlaAttention) for mixer in mixers):
+    if any(isinstance(layer.mixer, MlaAttention) for layer in arch.layers):
         return 16
-    return 128
+    return given or 128
 
 
 def served_model_from_args(args: argparse.Namespace,
@@ -215,8 +213,12 @@ def served_model_from_args(args: argparse.Namespace,
     """The served model the flags describe, calibrated when --calibration is given."""
     arch = read_model(args.model, note) if note is not None else read_model(args.model)
     deployment = deployment_from_args(args)
-    if args.cpu_build and args.block_size is None:
-        deployment = replace(deployment, block_size=cpu_block_size(arch))
+    if args.cpu_build:
+        block = cpu_block_size(arch, args.block_size)
+        if args.block_size is not None and block != args.block_size and note is not None:
+            note(f"--block-size {args.block_size}: vLLM's CPU build runs this model with "
+                 f"{block}-token blocks whatever is given")
+        deployment = replace(deployment, block_size=block)
     served = ServedModel(arch, deployment, gpu_from_args(args))
     # vLLM lowers its default max_num_seqs to the batched tokens, but refuses a given one
     # above them.

@@ -57,7 +57,8 @@ def simulate_plan(served: ServedModel, prompt_tokens: int, output_tokens: int,
                   seed: int = 0) -> dict[str, Any]:
     """`kvgate plan --simulate`: the plan's workload through the simulator, a closed
     loop of `concurrency` clients (its latency figures without the clients' first
-    requests, as `PlanSimulator`'s) and, with a rate, a Poisson open loop. Each entry is
+    requests and the last c - 1, as `PlanSimulator`'s) and, with a rate, a Poisson open
+    loop. Each entry is
     a run's summary without its KV samples."""
     count = requests or max(200, 10 * concurrency)
     lengths = Lengths(prompt_tokens, output_tokens,

@@ -347,14 +347,15 @@ class Engine:
         seen = self.now if self.gate else cutoff
         while arrivals and arrivals[0][0] <= seen:
             _, seq, sent = heapq.heappop(arrivals)
-            spec = self._within_context(sent)
-            rec = RequestRecord(spec)
+            served = self._within_context(sent)
+            rec = RequestRecord(sent if served is None else served)
             self.records.append(rec)
-            req = _Req(seq, spec, rec, sent)
-            if spec.output_tokens < 1:
+            if served is None:
                 rec.rejected = "longer than max_model_len"
                 self._after(sent, self.now)
                 continue
+            spec = served
+            req = _Req(seq, spec, rec, sent)
             limit = self.gate_cap if self.gate else self.usable
             if self.gate or self._full(spec.prompt_tokens + spec.output_tokens) > limit:
                 req.peak = self.served.lifecycle.peak_blocks(spec.prompt_tokens,
@@ -426,14 +427,17 @@ class Engine:
             self._gate_release(req)
         self._after(req.origin, self.now)
 
-    def _within_context(self, spec: SimRequest) -> SimRequest:
-        """What the server serves of `spec`: vLLM (0.21 and later) generates up to
-        max_model_len, so the output is cut there (none left: the prompt fills the
-        context, a request vLLM refuses)."""
-        room = self.served.max_model_len - spec.prompt_tokens
+    def _within_context(self, spec: SimRequest) -> SimRequest | None:
+        """What the server serves of `spec`: vLLM 0.32 generates up to max_model_len,
+        so the output is cut there. It refuses a prompt that fills the context and a
+        max_tokens above max_model_len itself: None."""
+        limit = self.served.max_model_len
+        room = limit - spec.prompt_tokens
         if spec.output_tokens <= room:
             return spec
-        return replace(spec, output_tokens=max(0, room))
+        if room < 1 or spec.output_tokens > limit:
+            return None
+        return replace(spec, output_tokens=room)
 
     def _after(self, spec: SimRequest, when: float) -> None:
         follow = self.workload.after(spec, when)

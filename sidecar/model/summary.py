@@ -108,6 +108,7 @@ def compute_plan(plan: PlanInput) -> dict[str, Any]:
         "prompt_tokens": plan.prompt_tokens,
         "output_tokens": plan.output_tokens,
         "concurrency": plan.concurrency,
+        "closed_form_running": running,
         "ttft_s": latency.ttft_s if latency else None,
         "tpot_s": latency.tpot_s if latency else None,
         "e2e_s": latency.e2e_s if latency else None,
