@@ -494,9 +494,8 @@ def vllm_args(result: dict[str, Any], args: argparse.Namespace) -> str:
     ]
     # The model positional (vLLM deprecated `vllm serve --model`): a local config's
     # directory, which is what vLLM loads, or the id (a preset's own for its bare name).
-    local = Path(args.model).expanduser()
-    model = (str(local.parent if local.is_file() else local) if local.exists()
-             else _model_names(args.model, str(result["model"]))[0])
+    local = _local_directory(args.model)
+    model = str(local) if local else _model_names(args.model, str(result["model"]))[0]
     return " \\\n  ".join([f"vllm serve {model}", *flags])
 
 
@@ -551,14 +550,22 @@ def _note_load_not_sized(result: dict[str, Any], args: argparse.Namespace) -> No
           "arrival rate and targets given (give --gpu)")
 
 
+def _local_directory(model: str) -> Path | None:
+    """The directory of a local --model (a config.json or the folder holding it)."""
+    local = Path(model).expanduser()
+    if not local.exists():
+        return None
+    return local.parent if local.is_file() else local
+
+
 def _model_names(model: str, planned: str) -> tuple[str, str]:
     """(the name clients send, the model's directory) for the chart. A local config's
     directory and its configured name; a preset's own id for its bare name or file
     stem; else the id asked for, not the preset of the same architecture that priced
     it (clients send that id)."""
-    local = Path(model).expanduser()
-    if local.exists():
-        return planned, (local.parent if local.is_file() else local).name
+    local = _local_directory(model)
+    if local is not None:
+        return planned, local.name
     found = presets.match(model)
     served = found.preset if found is not None and found.exact else model
     return served, served.rpartition("/")[2]

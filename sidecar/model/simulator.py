@@ -58,8 +58,7 @@ def simulate_plan(served: ServedModel, prompt_tokens: int, output_tokens: int,
     """`kvgate plan --simulate`: the plan's workload through the simulator, a closed
     loop of `concurrency` clients (its latency figures without the clients' first
     requests and the last c - 1, as `PlanSimulator`'s) and, with a rate, a Poisson open
-    loop. Each entry is
-    a run's summary without its KV samples."""
+    loop. Each entry is a run's summary without its KV samples."""
     count = requests or max(200, 10 * concurrency)
     lengths = Lengths(prompt_tokens, output_tokens,
                       prefix_group="shared" if shared_prefix_tokens else None,

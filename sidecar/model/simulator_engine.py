@@ -181,10 +181,10 @@ class _Req:
     )
 
     def __init__(self, seq: int, spec: SimRequest, rec: RequestRecord,
-                 origin: SimRequest | None = None) -> None:
+                 origin: SimRequest) -> None:
         self.seq = seq
         self.rec = rec
-        self.origin = spec if origin is None else origin  # as the workload sent it
+        self.origin = origin  # as the workload sent it (`spec`: what the server serves)
         self.arrival = spec.arrival_s
         self.prompt = spec.prompt_tokens
         self.output = spec.output_tokens
