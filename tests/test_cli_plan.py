@@ -322,6 +322,33 @@ def test_helm_values_from_plan_render_with_the_chart(
     assert str(plan["recommendation"]["max_num_seqs"]) in args
     env = {e["name"]: e.get("value") for e in containers["kvgate"]["env"]}
     assert env["KVGATE_GPU"] == "L40S" and env["KVGATE_TP"] == "2"
+    assert env["KVGATE_MAX_NUM_SEQS"] == str(plan["recommendation"]["max_num_seqs"])
+    assert "KVGATE_ASYNC_SCHEDULING" not in env  # a GPU build's default
+
+
+@pytest.mark.parametrize("flags", [["--cpu-build"], ["--gpu", "L40S", "--no-async-scheduling"]],
+                         ids=["cpu-build", "no-async-scheduling"])
+def test_helm_values_tell_the_sidecar_how_the_server_schedules(
+        flags: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The sidecar cannot learn that the server schedules each step after the last (its
+    predicted waits count half a step, not one and a half), nor a CPU build's batched
+    tokens: the values give them."""
+    from support.helm import render
+
+    assert main(["plan", "--model", "Qwen/Qwen3-0.6B", "--max-model-len", "4096", *flags,
+                 "--print", "helm-values"]) == 0
+    values = tmp_path / "values.yaml"
+    values.write_text(capsys.readouterr().out)
+    manifests = render(Path(__file__).resolve().parent.parent / "helm" / "kvgate", [values])
+    deployment = next(m for m in manifests if m["kind"] == "Deployment")
+    kvgate = next(c for c in deployment["spec"]["template"]["spec"]["containers"]
+                  if c["name"] == "kvgate")
+    env = {e["name"]: e.get("value") for e in kvgate["env"]}
+    assert env["KVGATE_ASYNC_SCHEDULING"] == "false"
+    if "--cpu-build" in flags:
+        assert env["KVGATE_MAX_NUM_BATCHED_TOKENS"] == "2048"
+    else:
+        assert "KVGATE_MAX_NUM_BATCHED_TOKENS" not in env
 
 
 def test_a_deployment_that_does_not_fit_exits_1_and_recommends_nothing(
@@ -495,7 +522,13 @@ def test_the_gpu_list_shows_the_other_names_plan_accepts(
         capsys: pytest.CaptureFixture[str]) -> None:
     """`--gpu H100` is what the examples use: the list says which entry it names."""
     assert main(["gpus"]) == 0
-    rows = {line.split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
+    out = capsys.readouterr().out
+    table, notes = out.split("\nsources:\n")
+    rows = {line.split("  ")[0]: line for line in table.splitlines()}
+    # Each figure's source is a numbered note under the table, not a column that widens
+    # every row past a terminal's width.
+    assert max(len(line) for line in table.splitlines()) <= 140
+    assert rows["H100-SXM"].endswith("]") and "  [1] " in notes
     assert "also as --gpu" in rows["gpu"]
     assert "h100," in rows["H100-SXM"] and "a100," in rows["A100-80GB"]
     assert find_gpu("H100").name == "H100-SXM" and find_gpu("a100").name == "A100-80GB"

@@ -3,7 +3,10 @@ somewhere, and names live in docs/contracts.md alone (no page copies its tables)
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
+import shlex
 from pathlib import Path
 
 import pytest
@@ -82,3 +85,27 @@ def test_contracts_lists_every_serve_flag_with_its_variable() -> None:
     flags = {flag for action in build_parser()._actions for flag in action.option_strings
              if flag.startswith("--") and flag != "--help"}
     assert flags - rows == set(), "flags of `kvgate serve` without a row in contracts.md"
+
+
+def test_the_readmes_plan_example_is_what_kvgate_plan_prints() -> None:
+    """The README's `kvgate plan` session, abridged: its command, run now, prints each of
+    its lines (the plan is pure: same model, same numbers on any machine)."""
+    from sidecar.cli.main import main
+
+    text = README.read_text(encoding="utf-8")
+    block = text.split("## Plan a deployment", 1)[1].split("```", 2)[1]
+    lines = block.strip("\n").splitlines()
+    command = lines[0].removeprefix("$ ")
+    while command.endswith("\\"):
+        lines.pop(0)
+        command = command[:-1] + lines[0]
+    argv = shlex.split(command)
+    assert argv[:2] == ["kvgate", "plan"], argv
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        assert main(argv[1:]) == 0
+    printed = out.getvalue().splitlines()
+    shown = [line for line in lines[1:] if line.strip()]
+    assert len(shown) >= 10
+    for line in shown:
+        assert line in printed, f"the README shows {line!r}; kvgate plan prints it otherwise"

@@ -216,3 +216,10 @@ def test_the_plan_route_answers_under_load_from_the_engine_simulator(sidecar: Si
     assert alone["latency_source"] == "simulator"
     assert plan["ttft_s"] > alone["ttft_s"] > 0
     assert plan["throughput_requests_per_s"] > 0
+    # Out of bounds: refused before anything is simulated.
+    max_len = plan["max_model_len"]
+    for query, message in ((f"prompt_tokens={max_len}&output_tokens=1", "max_model_len"),
+                           ("concurrency=100000000", "4096 clients"),
+                           ("arrival_rate=inf", "finite")):
+        status, body = sidecar.get(f"/kvgate/v1/plan?{query}", timeout=60)
+        assert status == 400 and message in json.loads(body)["error"]["message"], body

@@ -393,7 +393,9 @@ def test_dockerfile_is_small_pinned_non_root_with_the_kvgate_entry_point() -> No
     assert uid.isdigit() and int(uid) >= 1000, f"USER {docker.user!r}: not a numeric non-root uid"
     assert docker.expose == [KVGATE_PORT], docker.expose
     assert docker.env.get("KVGATE_PORT") == str(KVGATE_PORT), docker.env
-    assert f"127.0.0.1:{KVGATE_PORT}/healthz" in docker.healthcheck, docker.healthcheck
+    # The health check follows the port (set it with KVGATE_PORT, not --port).
+    assert "127.0.0.1:%s/healthz" in docker.healthcheck, docker.healthcheck
+    assert f"os.environ.get('KVGATE_PORT', '{KVGATE_PORT}')" in docker.healthcheck
     ignore = DOCKERFILE.with_name("Dockerfile.dockerignore").read_text(encoding="utf-8")
     assert "\n*\n" in f"\n{ignore}", "Dockerfile.dockerignore should allow-list the context"
 
@@ -521,8 +523,15 @@ def test_helm_lint_strict(values_files: list[Path]) -> None:
         {"autoscaling": {"mode": "cpu"}},
         {"model": {"name": "a/b"}},
         {"replicas": 2},
+        # What the sidecar refuses at start-up: a crash loop after a clean install.
+        {"kvgate": {"queueMaxWaitS": 0}},
+        {"kvgate": {"queueMaxLength": 1_000_001}},
+        # A setting the chart passes itself, silently overridden or desynchronised.
+        {"kvgate": {"extraEnv": [{"name": "KVGATE_PORT", "value": "9000"}]}},
+        {"kvgate": {"extraEnv": [{"name": "KVGATE_DRAIN_TIMEOUT_S", "value": "90"}]}},
     ],
-    ids=["mode", "prestop", "autoscaling-mode", "model-name", "unknown-key"],
+    ids=["mode", "prestop", "autoscaling-mode", "model-name", "unknown-key", "zero-wait",
+         "queue-too-long", "extra-env-port", "extra-env-drain"],
 )
 def test_values_schema_rejects_bad_values(values: dict[str, Any]) -> None:
     with pytest.raises(helm_python.HelmValuesError):
@@ -623,6 +632,10 @@ def check_pod(source: Source) -> None:
     kv_env = env_of(kvgate)
     tp = vllm_flags["--tensor-parallel-size"]
     assert kv_env.get("KVGATE_TP") == tp, f"{where}: KVGATE_TP {kv_env.get('KVGATE_TP')} != {tp}"
+    # kvgate forwards no more sequences than vLLM runs at once.
+    assert kv_env.get("KVGATE_MAX_NUM_SEQS") == vllm_flags["--max-num-seqs"], (
+        f"{where}: KVGATE_MAX_NUM_SEQS {kv_env.get('KVGATE_MAX_NUM_SEQS')} != vLLM's "
+        f"--max-num-seqs {vllm_flags['--max-num-seqs']}")
     gpus = {k: v for k, v in (vllm["resources"].get("limits") or {}).items() if "gpu" in k}
     assert all(str(v) == tp for v in gpus.values()), f"{where}: GPUs {gpus} vs TP {tp}"
     for container in (kvgate, vllm):

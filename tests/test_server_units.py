@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -190,6 +191,54 @@ def test_settings_precedence_and_errors(tmp_path: Path) -> None:
         load_settings({}, {}, str(bad))
 
 
+def test_settings_errors_name_the_setting_wherever_it_came_from(tmp_path: Path) -> None:
+    config = tmp_path / "kvgate.yaml"
+    config.write_text("upstream: http://127.0.0.1:1\nport: 99999\nmode: Shadow\n")
+    with pytest.raises(SettingsError) as error:
+        load_settings({}, {}, str(config))
+    assert sorted(error.value.lines) == [
+        f"--config {config}: mode: Input should be 'enforce' or 'shadow' (got 'Shadow')",
+        f"--config {config}: port: Input should be less than or equal to 65535 (got 99999)"]
+    # A boolean's misspelling is an error, not "off".
+    with pytest.raises(SettingsError, match=r"KVGATE_CALIBRATE: must be one of .* \(got 'ture'\)"):
+        load_settings({"upstream": "http://x:1"}, {"KVGATE_CALIBRATE": "ture"}, None)
+    for word, value in (("off", False), ("No", False), ("1", True), ("on", True)):
+        settings = load_settings({"upstream": "http://x:1"}, {"KVGATE_CALIBRATE": word}, None)
+        assert settings.calibrate is value
+    # The upstream's port.
+    for bad in ("http://x:99999", "http://x:abc", "http://x:0", "http://[::1]:0"):
+        with pytest.raises(SettingsError, match="--upstream: must have a port from 1"):
+            load_settings({"upstream": bad}, {}, None)
+    for good in ("http://x", "http://[::1]:8000", "https://x:8443/"):
+        assert load_settings({"upstream": good}, {}, None).upstream == good.rstrip("/")
+    # One port for both listeners.
+    with pytest.raises(SettingsError, match="--admin-port must differ from --port"):
+        load_settings({"upstream": "http://x:1", "port": "9000", "admin_port": "9000"}, {}, None)
+    # No starvation bound, from a flag or the environment as from YAML's null.
+    for raw in ("none", "off"):
+        assert load_settings({"upstream": "http://x:1", "starvation_bound_s": raw}, {},
+                             None).starvation_bound_s is None
+        assert load_settings({"upstream": "http://x:1"}, {"KVGATE_STARVATION_BOUND_S": raw},
+                             None).starvation_bound_s is None
+
+
+def test_a_port_in_use_is_named_by_its_flag() -> None:
+    with socket.socket() as busy, socket.socket() as spare:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        spare.bind(("127.0.0.1", 0))  # free once closed: --port beside a busy --admin-port
+        port, free = busy.getsockname()[1], spare.getsockname()[1]
+        spare.close()
+        for flags, named in ((["--port", str(port)], "--port"),
+                             (["--port", str(free), "--admin-port", str(port)], "--admin-port")):
+            proc = subprocess.run(
+                [sys.executable, "-m", "sidecar", "serve", "--upstream", "http://127.0.0.1:9",
+                 "--host", "127.0.0.1", *flags],
+                capture_output=True, text=True, timeout=60, check=False)
+            assert proc.returncode == 2, proc.stderr
+            assert f"cannot listen on 127.0.0.1:{port} ({named})" in proc.stderr, proc.stderr
+
+
 def test_serve_reports_every_bad_setting_on_its_own_line() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "sidecar", "serve", "--upstream", "ftp://x", "--port", "0",
@@ -206,7 +255,8 @@ def test_serve_reports_every_bad_setting_on_its_own_line() -> None:
 
 
 def test_serve_unknown_model_and_gpu_fail_fast() -> None:
-    for args, message in ((["--model-config", "/nonexistent"], "is not a file"),
+    for args, message in ((["--model-config", "/nonexistent"], "--model-config: "),
+                          (["--tokenizer", "/nonexistent"], "--tokenizer: /nonexistent"),
                           (["--gpu", "Z1"], "unknown GPU")):
         proc = subprocess.run(
             [sys.executable, "-m", "sidecar", "serve", "--upstream", "http://127.0.0.1:9",

@@ -558,7 +558,7 @@ class AdmissionController:
         if not limits.active:
             return None
         sequences, prefill_tokens = self.server_queue()
-        return limits.refusal(sequences, prefill_tokens, request.sequences)
+        return limits.holding_back(sequences, prefill_tokens, request.sequences)
 
     def _never_admitted_upstream(self, request: AdmissionRequest,
                                  cost: RequestCost) -> Decision | None:
@@ -586,12 +586,15 @@ class AdmissionController:
         tickets = list(self._running)
         sequences, prefill_tokens = self.server_queue()
         wait_s = 0.0
-        if limits.max_requests is not None:
+        if limits.max_requests is not None or limits.max_running is not None:
             ahead = self.queue.sequences_ahead_of(band, now)
-            excess = sequences + ahead + request.sequences - limits.max_requests
             finishes = sorted((view.finish_in_s, ticket.request.sequences)
                               for ticket, view in zip(tickets, self.running_requests(),
                                                       strict=True))
+            excess = limits.sequences_over_running_limit(sequences + ahead, request.sequences)
+            if limits.max_requests is not None:
+                excess = max(excess, sequences + ahead + request.sequences
+                             - limits.max_requests)
             wait_s = _time_until(finishes, excess)
         if limits.max_prefill_tokens is not None:
             prefills = sorted(
@@ -1035,6 +1038,7 @@ class AdmissionController:
         return {
             "max_num_queued_reqs": limits.max_requests,
             "max_num_queued_tokens": limits.max_prefill_tokens,
+            "max_num_seqs": limits.max_running,
             "requests": sequences,
             "prefill_tokens": prefill_tokens,
         }

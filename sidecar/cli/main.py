@@ -61,14 +61,21 @@ def _gpus(argv: Sequence[str]) -> int:
     from sidecar.cli.table import render
     from sidecar.model import CATALOGUE
 
+    # Sources as numbered notes under the table: several GPUs share one, and a long one
+    # would widen every row.
+    sources: dict[str, int] = {}
     rows = [
         [gpu.name, ", ".join(a for a in gpu.aliases if a != gpu.name.lower()) or "-",
          f"{gpu.memory_gib:g}", f"{gpu.bandwidth_gbps:,.0f}", f"{gpu.bf16_tflops:,.0f}",
-         f"{gpu.fp8_tflops:,.0f}" if gpu.fp8_tflops else "-", gpu.source]
+         f"{gpu.fp8_tflops:,.0f}" if gpu.fp8_tflops else "-",
+         f"[{sources.setdefault(gpu.source, len(sources) + 1)}]"]
         for gpu in CATALOGUE
     ]
     print(render(rows, ["gpu", "also as --gpu", "memory GiB", "GB/s", "bf16 TFLOPS",
                         "fp8 TFLOPS", "source"]))
+    print("\nsources:")
+    for source, number in sources.items():
+        print(f"  [{number}] {source}")
     return 0
 
 

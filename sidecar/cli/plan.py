@@ -89,7 +89,10 @@ def build_parser(prog: str = "kvgate plan") -> Parser:
                       help="TPOT target for the p90: caps the recommended --max-num-seqs "
                       "and raises replicas")
     load.add_argument("--kv-margin", type=fraction, default=DEFAULT_KV_MARGIN, metavar="F",
-                      help=f"share of the KV cache to plan for (default: {DEFAULT_KV_MARGIN})")
+                      help="share of the KV cache the recommended --max-num-seqs fills "
+                      "with every request at its peak: room left for requests longer than "
+                      "planned (default: %(default)s; `kvgate serve` admits up to its "
+                      "--kv-target-ratio, 0.95, and its /kvgate/v1/plan plans with that)")
     load.add_argument("--chain", metavar="IN:OUT,...",
                       help="a multi-call chain (agent/RAG), e.g. 1000:200,1500:300,2000:500: "
                            "prints its total latency")
@@ -97,7 +100,7 @@ def build_parser(prog: str = "kvgate plan") -> Parser:
                       help="tokens at the start of every prompt that all requests share (a "
                       "system prompt, tool definitions): held once in the KV cache and not "
                       "prefilled again")
-    load.add_argument("--calibration", type=Path, metavar="FILE",
+    load.add_argument("--calibration", "--calibration-file", type=Path, metavar="FILE",
                       help="efficiencies saved by a live sidecar (GET /kvgate/v1/calibration)")
     load.add_argument("--simulate", action="store_true",
                       help="also print the engine simulator's full summaries (`kvgate "
@@ -452,11 +455,16 @@ def _notes_on_flags_left_out(args: argparse.Namespace) -> None:
               "TOKENS; the plan assumed a drafter without KV layers")
 
 
-def kvgate_env(args: argparse.Namespace) -> list[dict[str, str]]:
+def kvgate_env(result: dict[str, Any], args: argparse.Namespace) -> list[dict[str, str]]:
     """The sidecar's KVGATE_* settings for what it cannot learn from the server and the
-    plan was given (the chart's kvgate.extraEnv)."""
+    plan was given (the chart's kvgate.extraEnv). A CPU build's batched tokens are
+    vLLM's CPU default, which the sidecar does not assume."""
     env = {
-        "KVGATE_MAX_NUM_BATCHED_TOKENS": args.max_num_batched_tokens,
+        "KVGATE_MAX_NUM_BATCHED_TOKENS": args.max_num_batched_tokens
+        or (result["max_num_batched_tokens"] if args.cpu_build else None),
+        # The sidecar assumes a GPU build's asynchronous scheduling unless told.
+        "KVGATE_ASYNC_SCHEDULING": "false" if args.no_async_scheduling or args.cpu_build
+        else None,
         "KVGATE_MAMBA_CACHE_MODE": args.mamba_cache_mode,
         "KVGATE_MAMBA_CACHE_DTYPE": None if args.mamba_cache_dtype == "auto"
         else args.mamba_cache_dtype,
@@ -524,7 +532,7 @@ def helm_values(result: dict[str, Any], args: argparse.Namespace) -> str:
         # One flag and its value per list entry: the chart passes each as one argument.
         "  extraArgs: " + json.dumps([part for flag in extra for part in _split_flag(flag)]),
     ]
-    env = kvgate_env(args)
+    env = kvgate_env(result, args)
     if env:
         lines += ["kvgate:", "  extraEnv: " + json.dumps(env)]
     if rec["replicas"]:

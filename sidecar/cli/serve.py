@@ -11,7 +11,7 @@ from typing import Any, get_args
 from sidecar.cli.args import Parser
 from sidecar.model import ModelError
 from sidecar.server.access_log import AccessLogError, configure_logging
-from sidecar.server.app import serve
+from sidecar.server.app import ListenError, serve
 from sidecar.server.settings import (
     BOOLEAN_FIELDS,
     FIELDS,
@@ -45,17 +45,21 @@ examples:
 """
 
 
+# The spellings `kvgate plan` and `kvgate simulate` use for the same settings.
+ALIASES = {"model": ("--model",), "calibration_file": ("--calibration",)}
+
+
 def build_parser(prog: str = "kvgate serve") -> Parser:
     parser = Parser(prog=prog, description=DESCRIPTION, epilog=EPILOG,
                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", metavar="FILE", help="a YAML file of settings "
                         "[KVGATE_CONFIG]")
     for name, field in FIELDS.items():
-        flag = flag_name(name)
+        flags = [flag_name(name), *ALIASES.get(name, ())]
         help_text = f"{field.description} [{env_name(name)}]"
         default = field.default
         if name in BOOLEAN_FIELDS:
-            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+            parser.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction,
                                 default=None, help=f"{help_text} (default: "
                                 f"{'on' if default else 'off'})")
             continue
@@ -64,10 +68,28 @@ def build_parser(prog: str = "kvgate serve") -> Parser:
             help_text += " (required)"
         elif default is not None:
             help_text += f" (default: {default})"
-        metavar = "{" + ",".join(literal) + "}" if literal else name.upper()
-        parser.add_argument(flag, dest=name, default=None, metavar=metavar,
+        metavar = "{" + ",".join(literal) + "}" if literal else _metavar(name, field.annotation)
+        parser.add_argument(*flags, dest=name, default=None, metavar=metavar,
                             choices=literal or None, help=help_text)
     return parser
+
+
+# A value's kind: by the setting's name, else by its unit (the name's ending), else its type.
+_METAVARS = {"upstream": "URL", "kv_events_endpoint": "ENDPOINT", "host": "ADDRESS",
+             "port": "PORT", "admin_port": "PORT", "admin_token": "TOKEN", "model": "MODEL",
+             "gpu": "NAME", "tokenizer": "DIR", "calibration_file": "FILE",
+             "access_log": "PATH", "num_speculative_tokens": "N"}
+_UNITS = (("_gib", "GIB"), ("_gbps", "GB/S"), ("_tflops", "TFLOP/S"), ("_bytes", "BYTES"),
+          ("_s", "SECONDS"), ("_ratio", "F"), ("_quantile", "F"), ("_tokens", "TOKENS"))
+
+
+def _metavar(name: str, annotation: Any) -> str:
+    if name in _METAVARS:
+        return _METAVARS[name]
+    for ending, metavar in _UNITS:
+        if name.endswith(ending):
+            return metavar
+    return "N" if int in (annotation, *get_args(annotation)) else "X"
 
 
 def _choices(annotation: Any) -> tuple[Any, ...]:
@@ -107,6 +129,9 @@ def run(argv: Sequence[str], prog: str = "kvgate serve") -> int:
         with asyncio.Runner(loop_factory=event_loop_factory(settings.event_loop)) as runner:
             return runner.run(serve(settings))
     except (ModelError, AccessLogError, TokenizerFilesError) as exc:
+        sys.stderr.write(f"{prog}: error: {exc}\n")
+        return 2
+    except ListenError as exc:
         sys.stderr.write(f"{prog}: error: {exc}\n")
         return 2
     except OSError as exc:

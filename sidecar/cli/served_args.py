@@ -85,10 +85,11 @@ def add_served_model_args(parser: Parser) -> None:
                            "bf16 / fp8 rows instead of fp8_ds_mla (not on SM12x) "
                            f"(one of {', '.join(ATTENTION_BACKENDS)}; default: vLLM's "
                            "choice for the GPU)")
-    vllm.add_argument("--mamba-cache-mode", choices=MAMBA_CACHE_MODES, metavar="MODE",
+    vllm.add_argument("--mamba-cache-mode", choices=("auto", *MAMBA_CACHE_MODES),
+                      action=AutoIsNone, metavar="MODE",
                       help="Mamba / gated-delta-net state caching: align (2 state blocks "
-                           "per request) or none (1) (default: align with prefix caching, "
-                           "else none)")
+                           "per request) or none (1); auto: align with prefix caching, "
+                           "else none, as vLLM chooses (default: auto)")
     vllm.add_argument("--mamba-cache-dtype", choices=STATE_DTYPES, default="auto",
                       help="Mamba conv state dtype (default: auto, the model dtype)")
     vllm.add_argument("--mamba-ssm-cache-dtype", choices=STATE_DTYPES, default="auto",
@@ -114,10 +115,15 @@ def add_served_model_args(parser: Parser) -> None:
     vllm.add_argument("--available-kv-gib", type=memory_gib, metavar="X",
                       help="the KV budget per GPU vLLM logged ('Available KV cache memory'); "
                            "capacity then follows exactly and no GPU is needed")
+    vllm.add_argument("--prefix-caching", choices=("on", "off"), dest="no_prefix_cache",
+                      action=PrefixCaching, default=False,
+                      help="whether the server shares prompt blocks between requests "
+                      "(vLLM's --enable-prefix-caching / --no-enable-prefix-caching; "
+                      "`kvgate serve` takes the same flag) (default: on, vLLM's default)")
     vllm.add_argument("--no-prefix-cache", "--no-enable-prefix-caching",
                       dest="no_prefix_cache", action="store_true",
-                      help="the server runs without prefix caching (vLLM's "
-                      "--no-enable-prefix-caching): nothing is shared or found cached")
+                      help="the same as --prefix-caching off: nothing is shared or found "
+                      "cached")
     vllm.add_argument("--enforce-eager", action="store_true",
                       help="the server runs without CUDA graphs (vLLM's --enforce-eager): "
                       "no graph pool comes out of the KV budget; the kernel launches it "
@@ -167,6 +173,22 @@ def load_efficiency(path: Path | None) -> Efficiency | None:
         return read_calibration(path).efficiency
     except CalibrationFileError as exc:
         raise ModelError(f"--calibration {exc}") from exc
+
+
+class AutoIsNone(argparse.Action):
+    """A choice whose `auto` leaves the setting to vLLM's default (None)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, None if values == "auto" else values)
+
+
+class PrefixCaching(argparse.Action):
+    """`--prefix-caching on|off`, kept as the `no_prefix_cache` the other spelling sets."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: object, option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values == "off")
 
 
 def deployment_from_args(args: argparse.Namespace) -> Deployment:

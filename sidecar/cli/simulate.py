@@ -69,7 +69,7 @@ def build_parser(prog: str = "kvgate simulate") -> Parser:
     sim.add_argument("--kv-target-ratio", type=fraction, default=0.95, metavar="F",
                      help="share of the KV cache kvgate reserves up to (default: 0.95, "
                           "as `kvgate serve`)")
-    sim.add_argument("--calibration", type=Path, metavar="FILE",
+    sim.add_argument("--calibration", "--calibration-file", type=Path, metavar="FILE",
                      help="efficiencies saved by a live sidecar (GET /kvgate/v1/calibration)")
     sim.add_argument("--json", action="store_true", help="print one JSON object")
     return parser

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 import os
 from collections import Counter
 from collections.abc import Sized
@@ -22,6 +23,11 @@ REGISTRY = web.AppKey("registry", CollectorRegistry)
 RUNNERS = web.AppKey("runners", list[web.AppRunner])
 # The connections kvgate's lean front end holds (server/front.py), for the same counts.
 FRONT_CONNECTIONS = web.AppKey("front_connections", Sized)
+# One plan is simulated at a time (in a worker thread, which shares the interpreter's
+# lock with the proxy's event loop); another asked meanwhile gets 429.
+PLAN_LOCK = web.AppKey("plan_lock", asyncio.Lock)
+# The most clients /kvgate/v1/plan simulates (3 requests each, about a second per 5,000).
+MAX_PLAN_CONCURRENCY = 4096
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -128,6 +134,16 @@ async def plan(request: web.Request) -> web.Response:
                               "integers, arrival_rate a number", code="invalid_request")
     if min(prompt, output, concurrency) < 1 or (rate is not None and not rate > 0):
         return error_response(400, "query values must be positive", code="invalid_request")
+    if rate is not None and not math.isfinite(rate):
+        return error_response(400, "arrival_rate must be finite", code="invalid_request")
+    if concurrency > MAX_PLAN_CONCURRENCY:
+        return error_response(400, f"concurrency {concurrency} is more than the "
+                              f"{MAX_PLAN_CONCURRENCY} clients this route simulates "
+                              "(`kvgate plan` has no such limit)", code="invalid_request")
+    if prompt + output > served.max_model_len:
+        return error_response(400, f"prompt_tokens + output_tokens ({prompt + output}) is "
+                              f"more than the server's max_model_len ({served.max_model_len})",
+                              code="invalid_request")
     inputs = PlanInput(
         served=served, sequence_tokens=served.max_model_len, prompt_tokens=prompt,
         output_tokens=output, concurrency=concurrency, arrival_rate=rate, ttft_slo_s=None,
@@ -142,7 +158,12 @@ async def plan(request: web.Request) -> web.Response:
         plan_under_load(result, inputs)
         return result
 
-    return _json(await asyncio.to_thread(answer))
+    lock = request.app[PLAN_LOCK]
+    if lock.locked():
+        return error_response(429, "another plan is being computed: retry in a moment",
+                              code="busy", retry_after_s=1)
+    async with lock:
+        return _json(await asyncio.to_thread(answer))
 
 
 async def calibration(request: web.Request) -> web.Response:
@@ -158,6 +179,7 @@ def add_admin_routes(app: web.Application, *, introspection: bool) -> None:
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     if introspection:
+        app[PLAN_LOCK] = asyncio.Lock()
         app.router.add_get("/metrics", metrics)
         app.router.add_get("/kvgate/v1/state", state)
         app.router.add_get("/kvgate/v1/plan", plan)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -16,17 +17,21 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry
 
 from sidecar import __version__
-from sidecar.model import ModelArchitecture, read_architecture
+from sidecar.model import ModelArchitecture, ModelError, read_architecture
 from sidecar.server import access_log, admin, proxy
 from sidecar.server.front import FrontConnection, FrontDoor
 from sidecar.server.keys import SERVICES, SESSION
 from sidecar.server.requests import ROUTES
 from sidecar.server.services import Services, resolve_gpu
 from sidecar.server.settings import ServeSettings
-from sidecar.tokens import find_files
+from sidecar.tokens import TokenizerFilesError, find_files
 from sidecar.upstream import Http1Pool, UpstreamClient, UpstreamWatcher
 
 log = logging.getLogger("kvgate")
+
+
+class ListenError(OSError):
+    """A port kvgate was told to listen on cannot be bound; the message names its flag."""
 
 WATCHER_TASK = web.AppKey("watcher_task", asyncio.Task[None])
 IDLE_TIMEOUT_S = 75.0
@@ -54,9 +59,15 @@ def build_services(settings: ServeSettings, registry: CollectorRegistry) -> Serv
     """Resolve what can be resolved before the server answers (fails fast on bad input)."""
     arch: ModelArchitecture | None = None
     if settings.model:
-        arch = read_architecture(settings.model)
+        try:
+            arch = read_architecture(settings.model)
+        except ModelError as exc:
+            raise ModelError(f"--model-config: {exc}") from exc
     if settings.tokenizer:
-        find_files(settings.tokenizer)  # fails fast: TokenizerFilesError names the problem
+        try:
+            find_files(settings.tokenizer)  # fails fast: the error names the problem
+        except TokenizerFilesError as exc:
+            raise TokenizerFilesError(f"--tokenizer: {exc}") from exc
     return Services(settings, registry, arch=arch, gpu=resolve_gpu(settings),
                     version=__version__)
 
@@ -152,15 +163,19 @@ async def serve(settings: ServeSettings, *, stop: asyncio.Event | None = None) -
         app[admin.FRONT_CONNECTIONS] = lean_connections  # (the app is frozen once set up)
     await runner.setup()
     front: FrontDoor | None = None
-    sites: list[web.BaseSite] = []
+    # What listens where, started in this order: (the flag that set the port, port, start).
+    listeners: list[tuple[str, int, Callable[[], Awaitable[None]]]] = []
     if settings.front_end == "lean":
         assert runner.server is not None
         front = FrontDoor(app, proxy.generation, runner.server, access=app[access_log.ACCESS_LOG],
                           routes=frozenset(ROUTES), max_body_bytes=settings.max_body_bytes,
                           idle_timeout_s=IDLE_TIMEOUT_S, drain_cut=proxy.DRAIN_CUT,
                           connections=lean_connections)
+        listeners.append(("--port", settings.port, functools.partial(
+            front.start, settings.host, settings.port, backlog=4096)))
     else:
-        sites.append(web.TCPSite(runner, settings.host, settings.port, backlog=4096))
+        site = web.TCPSite(runner, settings.host, settings.port, backlog=4096)
+        listeners.append(("--port", settings.port, site.start))
     admin_runner: web.AppRunner | None = None
     if settings.admin_port is not None:
         admin_app = build_admin_app(services, registry)
@@ -171,11 +186,14 @@ async def serve(settings: ServeSettings, *, stop: asyncio.Event | None = None) -
                                      keepalive_timeout=IDLE_TIMEOUT_S)
         runners.append(admin_runner)
         await admin_runner.setup()
-        sites.append(web.TCPSite(admin_runner, settings.host, settings.admin_port))
-    if front is not None:
-        await front.start(settings.host, settings.port, backlog=4096)
-    for site in sites:
-        await site.start()
+        admin_site = web.TCPSite(admin_runner, settings.host, settings.admin_port)
+        listeners.append(("--admin-port", settings.admin_port, admin_site.start))
+    for flag, port, start in listeners:
+        try:
+            await start()
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {settings.host}:{port} ({flag}): "
+                              f"{exc.strerror or exc}") from exc
     log.info("kvgate %s listening on %s:%d, upstream %s, mode %s", __version__, settings.host,
              settings.port, settings.upstream, settings.mode)
     stop = stop or asyncio.Event()

@@ -301,7 +301,8 @@ class Services:
             output_policy=s.output_policy,
             output_quantile=s.output_quantile,
             max_overcommit_ratio=s.max_overcommit_ratio,
-            server_limits=ServerQueueLimits(s.max_num_queued_reqs, s.max_num_queued_tokens),
+            server_limits=ServerQueueLimits(s.max_num_queued_reqs, s.max_num_queued_tokens,
+                                            s.max_num_seqs),
             engines=s.data_parallel_size,
         )
 
@@ -394,6 +395,7 @@ class Services:
             max_model_len=learned.max_model_len,
             block_size=learned.block_size,
             max_num_batched_tokens=self.settings.max_num_batched_tokens,
+            max_num_seqs=self.settings.max_num_seqs,
             num_gpu_blocks_override=learned.num_blocks,
             enable_prefix_caching=learned.prefix_caching,
             mamba_cache_mode=(None if self.settings.mamba_cache_mode == "auto"

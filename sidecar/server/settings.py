@@ -15,7 +15,14 @@ from typing import Any, Literal
 from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from sidecar.upstream.kv_events import check_endpoint
 
@@ -61,7 +68,8 @@ class ServeSettings(BaseModel):
         "cost", description="between tenants: by predicted GPU cost served, or none")
     priority_bands: int = Field(3, ge=1, le=10, description="number of priority bands")
     starvation_bound_s: float | None = Field(
-        30.0, gt=0, description="longest a lower band waits behind higher ones")
+        30.0, gt=0, description="longest a lower band waits behind higher ones; none: no "
+        "bound")
     output_policy: Literal["worst-case", "quantile"] = Field(
         "worst-case", description="KV reserved for requests without max_tokens")
     output_quantile: float = Field(0.9, gt=0, le=1,
@@ -72,7 +80,12 @@ class ServeSettings(BaseModel):
                                    "does not report it")
     max_num_batched_tokens: int | None = Field(
         None, ge=1, description="the server's --max-num-batched-tokens: the prefill chunk, "
-        "which sets a sliding-window request's prefill peak")
+        "which sets a sliding-window request's prefill peak (default: vLLM's for --gpu; "
+        "without it 8192; give the server's on a CPU build)")
+    max_num_seqs: int | None = Field(
+        None, ge=1, le=1_000_000, description="the server's --max-num-seqs: kvgate forwards "
+        "at most this many sequences at once and keeps the rest in its own queue (priority, "
+        "fairness, deadlines) instead of the server's first-come one; default: no cap")
     max_num_queued_reqs: int | None = Field(
         None, ge=0, description="the server's --max-num-queued-reqs (vLLM 0.29 and later): "
         "kvgate keeps the requests it forwards within it, so the server never refuses one")
@@ -125,7 +138,7 @@ class ServeSettings(BaseModel):
         "(vLLM's default on GPUs; off with its --no-async-scheduling, with an n-gram "
         "drafter and in its CPU build): "
         "a request arriving while others run waits for the step in flight and the one "
-        "scheduled behind it (1.5 steps on average) before its prefill, without for half a step")
+        "scheduled behind it (1.5 steps on average) before its prefill; 0.5 steps without it")
     tokenizer: str | None = Field(
         None, description="the served model's tokenizer files (a directory with "
         "tokenizer.json, tokenizer_config.json and the chat template): prompts are counted "
@@ -183,7 +196,28 @@ class ServeSettings(BaseModel):
             raise ValueError("must be an http(s) URL such as http://127.0.0.1:8000")
         if parts.path not in ("", "/") or parts.query:
             raise ValueError("must be the server's base URL, without a path")
+        try:
+            port = parts.port
+        except ValueError:
+            port = 0
+        if port == 0 and parts.netloc.rpartition("]")[2].count(":"):
+            raise ValueError("must have a port from 1 to 65535, e.g. http://127.0.0.1:8000")
         return value.rstrip("/")
+
+    @field_validator("starvation_bound_s", mode="before")
+    @classmethod
+    def _no_bound(cls, value: object) -> object:
+        """`none` / `off` (a flag or environment variable's spelling of YAML's null)."""
+        if isinstance(value, str) and value.strip().lower() in ("none", "off", "null"):
+            return None
+        return value
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> ServeSettings:
+        if self.admin_port is not None and self.admin_port == self.port:
+            raise ValueError(f"--admin-port must differ from --port ({self.port}): leave it "
+                             "unset to serve /metrics and /kvgate/v1/* on --port")
+        return self
 
     @field_validator("kv_events_endpoint")
     @classmethod
@@ -212,16 +246,28 @@ def flag_name(field: str) -> str:
     return "--" + public_name(field).replace("_", "-")
 
 
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
 def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
     values: dict[str, Any] = {}
+    problems: list[str] = []
     for name in FIELDS:
         raw = environ.get(env_name(name))
         if raw is None or raw == "":
             continue
         if name in BOOLEAN_FIELDS:
-            values[name] = raw.strip().lower() in ("1", "true", "yes", "on")
+            word = raw.strip().lower()
+            if word not in TRUE_WORDS + FALSE_WORDS:
+                problems.append(f"{env_name(name)}: must be one of {', '.join(TRUE_WORDS)} "
+                                f"or {', '.join(FALSE_WORDS)} (got {raw!r})")
+                continue
+            values[name] = word in TRUE_WORDS
         else:
             values[name] = raw
+    if problems:
+        raise SettingsError(problems)
     return values
 
 
@@ -258,7 +304,7 @@ def load_settings(
     from_env = _from_env(environ)
     given = {k: v for k, v in cli.items() if v is not None}
     merged: dict[str, Any] = {**from_file, **from_env, **given}
-    source = dict.fromkeys(from_file, "config file")
+    source = {name: f"--config {config_path}: {public_name(name)}" for name in from_file}
     source.update({name: env_name(name) for name in from_env})
     source.update({name: flag_name(name) for name in given})
     try:
@@ -266,9 +312,12 @@ def load_settings(
     except ValidationError as exc:
         lines = []
         for error in exc.errors():
-            name = str(error["loc"][0]) if error["loc"] else "settings"
-            where = source.get(name, flag_name(name))
             message = error["msg"].removeprefix("Value error, ")
+            if not error["loc"]:  # a check across settings names them itself
+                lines.append(message)
+                continue
+            name = str(error["loc"][0])
+            where = source.get(name, flag_name(name))
             if error["type"] == "missing":
                 message = f"is required (give {flag_name(name)} or {env_name(name)})"
                 where = flag_name(name)
