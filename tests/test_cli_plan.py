@@ -345,10 +345,15 @@ def test_helm_values_tell_the_sidecar_how_the_server_schedules(
                   if c["name"] == "kvgate")
     env = {e["name"]: e.get("value") for e in kvgate["env"]}
     assert env["KVGATE_ASYNC_SCHEDULING"] == "false"
+    vllm = next(c for c in deployment["spec"]["template"]["spec"]["containers"]
+                if c["name"] == "vllm")
+    gpus = [k for k in (vllm["resources"].get("limits") or {}) if "gpu" in k]
     if "--cpu-build" in flags:
         assert env["KVGATE_MAX_NUM_BATCHED_TOKENS"] == "2048"
+        assert gpus == []  # a CPU build's pod asks for no GPU
     else:
         assert "KVGATE_MAX_NUM_BATCHED_TOKENS" not in env
+        assert gpus
 
 
 def test_a_deployment_that_does_not_fit_exits_1_and_recommends_nothing(

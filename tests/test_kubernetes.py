@@ -529,9 +529,13 @@ def test_helm_lint_strict(values_files: list[Path]) -> None:
         # A setting the chart passes itself, silently overridden or desynchronised.
         {"kvgate": {"extraEnv": [{"name": "KVGATE_PORT", "value": "9000"}]}},
         {"kvgate": {"extraEnv": [{"name": "KVGATE_DRAIN_TIMEOUT_S", "value": "90"}]}},
+        # vLLM's seats set beside the value kvgate is told.
+        {"vllm": {"extraArgs": ["--max-num-seqs", "256"]}},
+        {"model": {"maxNumSeqs": 1_000_001}},
     ],
     ids=["mode", "prestop", "autoscaling-mode", "model-name", "unknown-key", "zero-wait",
-         "queue-too-long", "extra-env-port", "extra-env-drain"],
+         "queue-too-long", "extra-env-port", "extra-env-drain", "extra-args-seats",
+         "seats-too-many"],
 )
 def test_values_schema_rejects_bad_values(values: dict[str, Any]) -> None:
     with pytest.raises(helm_python.HelmValuesError):

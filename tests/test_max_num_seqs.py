@@ -89,6 +89,50 @@ def test_sequences_count_and_a_request_wider_than_the_limit_goes_alone() -> None
     run(scenario())
 
 
+def test_the_wait_walks_the_requests_queued_ahead_through_the_seats() -> None:
+    """One seat: a running request and two queued ahead, each let in as the one before
+    ends. A newcomer's predicted wait is the three in turn (finite: the queued ones end
+    too), and a target shorter than that is refused at once, naming the limit."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=1024, clock=clock,
+                     server_limits=ServerQueueLimits(max_running=1))
+
+    async def scenario() -> None:
+        running = await ctl.admit(AdmissionRequest(prompt_tokens=50, max_tokens=100))
+        first_s = ctl.running_requests()[0].finish_in_s
+        queued = [asyncio.ensure_future(ctl.admit(AdmissionRequest(
+            prompt_tokens=50, max_tokens=100))) for _ in range(2)]
+        await asyncio.sleep(0)
+        durations = [e.payload.cost.prefill_s + e.payload.cost.decode_s  # type: ignore[attr-defined]
+                     for e in ctl.queue.entries()]
+        expected_s = first_s + sum(durations)
+        with pytest.raises(Rejected) as rejected:
+            await ctl.admit(AdmissionRequest(prompt_tokens=50, max_tokens=20,
+                                             ttft_slo_s=expected_s * 0.9))
+        decision = rejected.value.decision
+        assert decision.outcome is Outcome.DEADLINE, decision
+        assert "the server's --max-num-seqs 1 is reached" in decision.reason
+        waited = decision.details["predicted_ttft_s"] - decision.details["predicted_prefill_s"]
+        assert waited == pytest.approx(expected_s, abs=1e-4)
+        running.finish()
+        for future in queued:
+            (await asyncio.wait_for(future, 1)).finish()
+
+    run(scenario())
+
+
+def test_the_servers_seats_are_per_data_parallel_engine() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from sidecar.server.services import Services
+
+    for engines, seats in ((1, 64), (2, 128)):
+        settings = load_settings({"upstream": "http://127.0.0.1:8000", "max_num_seqs": "64",
+                                  "data_parallel_size": str(engines)}, {}, None)
+        services = Services(settings, CollectorRegistry(), arch=None, gpu=None, version="t")
+        assert services.admission_settings().server_limits.max_running == seats
+
+
 def test_a_deadline_is_judged_on_the_wait_for_a_slot_and_the_reason_names_the_limit() -> None:
     clock = FakeClock()
     ctl = controller(num_blocks=1024, clock=clock,

@@ -208,11 +208,13 @@ def test_sequences_count_as_vllm_counts_them() -> None:
     run(scenario())
 
 
-def test_the_wait_for_the_request_limit_counts_the_sequences_queued_ahead() -> None:
-    """A newcomer waits until the server's count falls low enough for the sequences
-    queued ahead of it and its own: with two of 2 sequences running (4 of 4) and one of
-    2 queued, a newcomer of 1 needs both running ones to finish (3 sequences freed),
-    not only the first (counting the queued request as 1 would say so)."""
+def test_the_wait_for_the_request_limit_walks_the_requests_queued_ahead() -> None:
+    """A newcomer waits until the server's count leaves it a seat behind the requests
+    queued before it: with two of 2 sequences running (4 of 4) and one of 2 queued, the
+    queued one takes the 2 seats the first running one frees, and the newcomer the first
+    seat freed after that: the queued one's end (it is short) or the long one's,
+    whichever comes first. Counting the running requests alone, it would wait for both
+    (as if the queued one never ended)."""
     clock = FakeClock()
     ctl = controller(num_blocks=1024, clock=clock,
                      server_limits=ServerQueueLimits(max_requests=4))
@@ -225,20 +227,25 @@ def test_the_wait_for_the_request_limit_counts_the_sequences_queued_ahead() -> N
         views = dict(zip(ctl._running, ctl.running_requests(), strict=True))
         first_s, last_s = views[short].finish_in_s, views[long].finish_in_s
         assert 0 < first_s < last_s
-        # A queue that waits longer than the first finish but not the last: the request
-        # ahead (room at the first finish) queues; the newcomer (room at the last) is
-        # refused by its predicted wait.
-        ctl.settings = replace(ctl.settings, limits=QueueLimits(max_wait_s=(
-            first_s + last_s) / 2))
         ahead = asyncio.ensure_future(ctl.admit(AdmissionRequest(
             prompt_tokens=20, max_tokens=10, sequences=2)))
         await asyncio.sleep(0)
         assert not ahead.done()  # 4 + 2 > 4; the first to finish makes room for it
+        (entry,) = ctl.queue.entries()
+        queued_cost = entry.payload.cost  # type: ignore[attr-defined]
+        expected_s = min(last_s, first_s + queued_cost.prefill_s + queued_cost.decode_s)
+        assert expected_s < last_s  # the walk is what gives it
+        # A queue that waits less than that: the newcomer is refused at once, its wait
+        # predicted by the walk.
+        ctl.settings = replace(ctl.settings, limits=QueueLimits(max_wait_s=(
+            first_s + expected_s) / 2))
         with pytest.raises(Rejected) as rejected:
             await ctl.admit(AdmissionRequest(prompt_tokens=20, max_tokens=10))
         decision = rejected.value.decision
         assert decision.outcome is Outcome.QUEUE_TIMEOUT, decision
-        assert f"predicted wait {last_s:.1f} s" in decision.reason
+        predicted = decision.details["predicted_ttft_s"] - decision.details[
+            "predicted_prefill_s"]
+        assert predicted == pytest.approx(expected_s, abs=1e-4), (predicted, expected_s)
         short.finish()
         (await asyncio.wait_for(ahead, 1)).finish()
         long.finish()

@@ -202,14 +202,20 @@ def test_settings_errors_name_the_setting_wherever_it_came_from(tmp_path: Path) 
     # A boolean's misspelling is an error, not "off".
     with pytest.raises(SettingsError, match=r"KVGATE_CALIBRATE: must be one of .* \(got 'ture'\)"):
         load_settings({"upstream": "http://x:1"}, {"KVGATE_CALIBRATE": "ture"}, None)
+    # ... reported beside every other problem, not instead of them.
+    with pytest.raises(SettingsError) as error:
+        load_settings({"upstream": "http://x:1"}, {"KVGATE_CALIBRATE": "ture",
+                                                   "KVGATE_PORT": "0"}, None)
+    assert [line.split(":")[0] for line in error.value.lines] == ["KVGATE_CALIBRATE",
+                                                                  "KVGATE_PORT"]
     for word, value in (("off", False), ("No", False), ("1", True), ("on", True)):
         settings = load_settings({"upstream": "http://x:1"}, {"KVGATE_CALIBRATE": word}, None)
         assert settings.calibrate is value
     # The upstream's port.
-    for bad in ("http://x:99999", "http://x:abc", "http://x:0", "http://[::1]:0"):
+    for bad in ("http://x:99999", "http://x:abc", "http://x:0", "http://[::1]:0", "http://x:"):
         with pytest.raises(SettingsError, match="--upstream: must have a port from 1"):
             load_settings({"upstream": bad}, {}, None)
-    for good in ("http://x", "http://[::1]:8000", "https://x:8443/"):
+    for good in ("http://x", "http://[::1]:8000", "https://x:8443/", "http://u:p@x"):
         assert load_settings({"upstream": good}, {}, None).upstream == good.rstrip("/")
     # One port for both listeners.
     with pytest.raises(SettingsError, match="--admin-port must differ from --port"):
@@ -220,6 +226,9 @@ def test_settings_errors_name_the_setting_wherever_it_came_from(tmp_path: Path) 
                              None).starvation_bound_s is None
         assert load_settings({"upstream": "http://x:1"}, {"KVGATE_STARVATION_BOUND_S": raw},
                              None).starvation_bound_s is None
+    unbounded = tmp_path / "unbounded.yaml"
+    unbounded.write_text("upstream: http://x:1\nstarvation_bound_s: off\n")  # YAML: false
+    assert load_settings({}, {}, str(unbounded)).starvation_bound_s is None
 
 
 def test_a_port_in_use_is_named_by_its_flag() -> None:

@@ -33,6 +33,7 @@ have taken is reported to the listener instead.
 from __future__ import annotations
 
 import asyncio
+import heapq
 import itertools
 import math
 import time
@@ -352,7 +353,7 @@ class AdmissionController:
             return cost, Decision(
                 Outcome.DEADLINE,
                 f"predicted time to first token {deadline_ttft:.2f} s exceeds the requested "
-                f"{request.ttft_slo_s:.2f} s ({ahead} requests waiting ahead)",
+                f"{request.ttft_slo_s:.2f} s ({ahead} requests waiting ahead; {blocked_by})",
                 self._retry_after(max(0.0, deadline_ttft - request.ttft_slo_s)),
                 details,
             )
@@ -540,11 +541,12 @@ class AdmissionController:
         excess = running.base_blocks + blocks - self.ledger.target_blocks
         return last_s + max(0.0, excess) * duration / max(1, self.ledger.capacity_blocks)
 
-    # ---- the server's own queue limits (vLLM's admission) -----------------------------
+    # ---- the server's own limits: its queue limits (vLLM's admission), --max-num-seqs --
 
     def server_queue(self) -> tuple[int, int]:
         """(sequences, prompt tokens in prefill) of the requests kvgate forwarded that the
-        server still counts against its queue limits (`server_queue` module)."""
+        server still counts against its queue limits and its --max-num-seqs
+        (`server_queue` module)."""
         sequences = prefill_tokens = 0
         for ticket in self._running:
             sequences += ticket.request.sequences
@@ -553,7 +555,8 @@ class AdmissionController:
         return sequences, prefill_tokens
 
     def _server_refusal(self, request: AdmissionRequest) -> str | None:
-        """The server's limit that would refuse `request` if it were sent now, or None."""
+        """The server's limit that holds `request` back now (one it would be refused
+        under, or its --max-num-seqs), or None."""
         limits = self.settings.server_limits
         if not limits.active:
             return None
@@ -576,27 +579,33 @@ class AdmissionController:
         )
 
     def _server_wait_s(self, request: AdmissionRequest, band: int, now: float) -> float:
-        """Predicted time until the server's queue limits take `request` (arriving at
-        `now` in `band`) behind the requests waiting before it: running requests finish
-        (their sequences, as the server counts them) and prompts prefill (prompt
-        tokens); 0 without limits, inf when unknown."""
+        """Predicted time until the server's limits take `request` (arriving at `now` in
+        `band`) behind the requests waiting before it (in the queue's order, as
+        `_kv_wait_s` walks them): the sequences the server counts at once
+        (`--max-num-queued-reqs`, `--max-num-seqs`) free as running requests finish and
+        the ones ahead, let in as seats free, finish in turn (`_seat_wait_s`); prompts
+        prefill (`--max-num-queued-tokens`). 0 without limits, inf when unknown."""
         limits = self.settings.server_limits
         if not limits.active:
             return 0.0
         tickets = list(self._running)
-        sequences, prefill_tokens = self.server_queue()
         wait_s = 0.0
         if limits.max_requests is not None or limits.max_running is not None:
-            ahead = self.queue.sequences_ahead_of(band, now)
-            finishes = sorted((view.finish_in_s, ticket.request.sequences)
-                              for ticket, view in zip(tickets, self.running_requests(),
-                                                      strict=True))
-            excess = limits.sequences_over_running_limit(sequences + ahead, request.sequences)
+            finishes = [(view.finish_in_s, ticket.request.sequences)
+                        for ticket, view in zip(tickets, self.running_requests(), strict=True)]
+            deadline = None if request.ttft_slo_s is None else now + request.ttft_slo_s
+            queued = [(waiter.request.sequences, waiter.cost.prefill_s + waiter.cost.decode_s)
+                      for entry in self.queue.ahead_of(band, request.tenant,
+                                                       self.queue.newcomer_key(deadline))
+                      if isinstance(waiter := entry.payload, _Waiter)]
             if limits.max_requests is not None:
-                excess = max(excess, sequences + ahead + request.sequences
-                             - limits.max_requests)
-            wait_s = _time_until(finishes, excess)
+                wait_s = _seat_wait_s(finishes, queued, request.sequences,
+                                      limits.max_requests, clamp=False)
+            if limits.max_running is not None:
+                wait_s = max(wait_s, _seat_wait_s(finishes, queued, request.sequences,
+                                                  limits.max_running, clamp=True))
         if limits.max_prefill_tokens is not None:
+            _, prefill_tokens = self.server_queue()
             prefills = sorted(
                 (max(0.0, t.admitted_s + t.cost.prefill_s - now),
                  t.request.prompt_tokens * t.request.sequences)
@@ -671,8 +680,11 @@ class AdmissionController:
     ) -> Decision:
         now = self.clock()
         waited = now - entry.arrival_s
-        retry = self._retry_after(self.wait_ratio.scaled(self._kv_wait_s(request, cost,
-                                                                         entry.band)))
+        limit = self._server_refusal(request)
+        wait_s = self.wait_ratio.scaled(self._kv_wait_s(request, cost, entry.band))
+        if limit is not None:
+            wait_s = max(wait_s, self._server_wait_s(request, entry.band, now))
+        retry = self._retry_after(wait_s)
         details = self._details(cost, waited_s=round(waited, 3))
         if deadline is not None and now + cost.deadline_prefill_s >= deadline - 1e-9 and (
             waited < self.settings.limits.max_wait_s
@@ -687,7 +699,8 @@ class AdmissionController:
         return Decision(
             Outcome.QUEUE_TIMEOUT,
             f"waited {waited:.1f} s in the queue (maximum {self.settings.limits.max_wait_s:g} s) "
-            "without KV headroom",
+            + ("without KV headroom" if limit is None
+               else f"for room in {self.settings.server_limits.describe(limit)}"),
             retry,
             details,
         )
@@ -1106,6 +1119,35 @@ class AdmissionController:
                 else forecast.exhaustion_s,
             },
         }
+
+
+def _seat_wait_s(running: list[tuple[float, int]], queued: list[tuple[int, float]],
+                 sequences: int, seats: int, *, clamp: bool) -> float:
+    """Time until a request of `sequences` gets its seats among the server's `seats`
+    (the sequences it counts at once): after the running requests (each one's predicted
+    finish and sequences) and the requests queued ahead of it (sequences and predicted
+    duration), each let in as enough seats free and holding them until it finishes.
+    `clamp`: a request wider than `seats` takes them all (`--max-num-seqs`: vLLM runs
+    its sequences in turns); else it never gets in (inf)."""
+    occupied = [finish for finish, count in running for _ in range(count)]
+    heapq.heapify(occupied)
+
+    def start(count: int) -> float:
+        need = min(count, seats) if clamp else count
+        if need > seats:
+            return math.inf
+        begin = 0.0
+        while len(occupied) + need > seats:
+            begin = max(begin, heapq.heappop(occupied))
+        return begin
+
+    for count, duration_s in queued:
+        begin = start(count)
+        if not math.isfinite(begin):
+            return math.inf
+        for _ in range(min(count, seats) if clamp else count):
+            heapq.heappush(occupied, begin + duration_s)
+    return start(sequences)
 
 
 def _time_until(releases: list[tuple[float, int]], needed: int) -> float:

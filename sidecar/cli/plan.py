@@ -527,6 +527,7 @@ def helm_values(result: dict[str, Any], args: argparse.Namespace) -> str:
         "gpu:",
         f"  name: {json.dumps(result['gpu'] or '')}",
         f"  count: {result['tp']}",
+        *(['  resource: ""  # a CPU build requests no GPU'] if args.cpu_build else []),
         f"replicaCount: {rec['replicas'] or 1}",
         "vllm:",
         # One flag and its value per list entry: the chart passes each as one argument.

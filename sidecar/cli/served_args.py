@@ -115,11 +115,12 @@ def add_served_model_args(parser: Parser) -> None:
     vllm.add_argument("--available-kv-gib", type=memory_gib, metavar="X",
                       help="the KV budget per GPU vLLM logged ('Available KV cache memory'); "
                            "capacity then follows exactly and no GPU is needed")
-    vllm.add_argument("--prefix-caching", choices=("on", "off"), dest="no_prefix_cache",
+    vllm.add_argument("--prefix-caching", choices=("auto", "on", "off"), dest="no_prefix_cache",
                       action=PrefixCaching, default=False,
                       help="whether the server shares prompt blocks between requests "
                       "(vLLM's --enable-prefix-caching / --no-enable-prefix-caching; "
-                      "`kvgate serve` takes the same flag) (default: on, vLLM's default)")
+                      "`kvgate serve` takes the same flag); auto: vLLM's default, on "
+                      "(default: auto)")
     vllm.add_argument("--no-prefix-cache", "--no-enable-prefix-caching",
                       dest="no_prefix_cache", action="store_true",
                       help="the same as --prefix-caching off: nothing is shared or found "
@@ -184,7 +185,8 @@ class AutoIsNone(argparse.Action):
 
 
 class PrefixCaching(argparse.Action):
-    """`--prefix-caching on|off`, kept as the `no_prefix_cache` the other spelling sets."""
+    """`--prefix-caching auto|on|off`, kept as the `no_prefix_cache` the other spelling
+    sets (auto: vLLM's default, on)."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
                  values: object, option_string: str | None = None) -> None:

@@ -162,8 +162,27 @@ async def plan(request: web.Request) -> web.Response:
     if lock.locked():
         return error_response(429, "another plan is being computed: retry in a moment",
                               code="busy", retry_after_s=1)
-    async with lock:
-        return _json(await asyncio.to_thread(answer))
+
+    async def computed() -> dict[str, Any]:
+        async with lock:
+            return await asyncio.to_thread(answer)
+
+    # The lock is held until the thread ends, also when the client leaves (which cancels
+    # this handler, not the thread).
+    task = asyncio.ensure_future(computed())
+    _PLANS.add(task)
+    task.add_done_callback(_settled)
+    return _json(await asyncio.shield(task))
+
+
+_PLANS: set[asyncio.Task[dict[str, Any]]] = set()
+
+
+def _settled(task: asyncio.Task[dict[str, Any]]) -> None:
+    """Forget a plan's task; an error nobody awaited (its client left) is dropped."""
+    _PLANS.discard(task)
+    if not task.cancelled():
+        task.exception()
 
 
 async def calibration(request: web.Request) -> web.Response:

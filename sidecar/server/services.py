@@ -301,8 +301,10 @@ class Services:
             output_policy=s.output_policy,
             output_quantile=s.output_quantile,
             max_overcommit_ratio=s.max_overcommit_ratio,
-            server_limits=ServerQueueLimits(s.max_num_queued_reqs, s.max_num_queued_tokens,
-                                            s.max_num_seqs),
+            server_limits=ServerQueueLimits(
+                s.max_num_queued_reqs, s.max_num_queued_tokens,
+                # vLLM's --max-num-seqs is per engine: each data-parallel one runs as many.
+                None if s.max_num_seqs is None else s.max_num_seqs * s.data_parallel_size),
             engines=s.data_parallel_size,
         )
 

@@ -83,9 +83,10 @@ class ServeSettings(BaseModel):
         "which sets a sliding-window request's prefill peak (default: vLLM's for --gpu; "
         "without it 8192; give the server's on a CPU build)")
     max_num_seqs: int | None = Field(
-        None, ge=1, le=1_000_000, description="the server's --max-num-seqs: kvgate forwards "
-        "at most this many sequences at once and keeps the rest in its own queue (priority, "
-        "fairness, deadlines) instead of the server's first-come one; default: no cap")
+        None, ge=1, le=1_000_000, description="the server's --max-num-seqs (per engine): "
+        "kvgate forwards at most this many sequences at once (times --data-parallel-size) "
+        "and keeps the rest in its own queue (priority, fairness, deadlines) instead of the "
+        "server's first-come one; default: no cap")
     max_num_queued_reqs: int | None = Field(
         None, ge=0, description="the server's --max-num-queued-reqs (vLLM 0.29 and later): "
         "kvgate keeps the requests it forwards within it, so the server never refuses one")
@@ -200,16 +201,21 @@ class ServeSettings(BaseModel):
             port = parts.port
         except ValueError:
             port = 0
-        if port == 0 and parts.netloc.rpartition("]")[2].count(":"):
+        host_and_port = parts.netloc.rpartition("@")[2].rpartition("]")[2]
+        if ":" in host_and_port and not port:
             raise ValueError("must have a port from 1 to 65535, e.g. http://127.0.0.1:8000")
         return value.rstrip("/")
 
     @field_validator("starvation_bound_s", mode="before")
     @classmethod
     def _no_bound(cls, value: object) -> object:
-        """`none` / `off` (a flag or environment variable's spelling of YAML's null)."""
-        if isinstance(value, str) and value.strip().lower() in ("none", "off", "null"):
+        """`none` / `off` (a flag or environment variable's spelling of YAML's null; YAML
+        reads a bare `off` as false)."""
+        if value is False or (isinstance(value, str)
+                              and value.strip().lower() in ("none", "off", "null")):
             return None
+        if value is True:
+            raise ValueError("must be a number of seconds, or none")
         return value
 
     @model_validator(mode="after")
@@ -250,7 +256,8 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
 
-def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
+def _from_env(environ: Mapping[str, str]) -> tuple[dict[str, Any], list[str]]:
+    """The settings the environment gives, and one line per value it misspells."""
     values: dict[str, Any] = {}
     problems: list[str] = []
     for name in FIELDS:
@@ -266,9 +273,7 @@ def _from_env(environ: Mapping[str, str]) -> dict[str, Any]:
             values[name] = word in TRUE_WORDS
         else:
             values[name] = raw
-    if problems:
-        raise SettingsError(problems)
-    return values
+    return values, problems
 
 
 def _from_yaml(path: Path) -> dict[str, Any]:
@@ -301,16 +306,16 @@ def load_settings(
     environ = os.environ if environ is None else environ
     config_path = config_file or environ.get("KVGATE_CONFIG") or None
     from_file = _from_yaml(Path(config_path)) if config_path else {}
-    from_env = _from_env(environ)
+    from_env, problems = _from_env(environ)
     given = {k: v for k, v in cli.items() if v is not None}
     merged: dict[str, Any] = {**from_file, **from_env, **given}
     source = {name: f"--config {config_path}: {public_name(name)}" for name in from_file}
     source.update({name: env_name(name) for name in from_env})
     source.update({name: flag_name(name) for name in given})
     try:
-        return ServeSettings.model_validate(merged)
+        settings = ServeSettings.model_validate(merged)
     except ValidationError as exc:
-        lines = []
+        lines = list(problems)
         for error in exc.errors():
             message = error["msg"].removeprefix("Value error, ")
             if not error["loc"]:  # a check across settings names them itself
@@ -324,3 +329,6 @@ def load_settings(
             value = f" (got {merged[name]!r})" if name in merged else ""
             lines.append(f"{where}: {message}{value}")
         raise SettingsError(lines) from exc
+    if problems:
+        raise SettingsError(problems)
+    return settings
