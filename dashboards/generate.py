@@ -634,8 +634,10 @@ LAYOUT: list[tuple[Panel, int, int]] = [
         timeseries(
             "Upstream metrics age",
             "Seconds since kvgate last read the vLLM server's /metrics (alert "
-            "KvgateUpstreamMetricsStale above 30 s).",
-            [target(f"kvgate_upstream_metrics_age_seconds{{{K}}}", "{{instance}}")],
+            "KvgateUpstreamMetricsStale above 30 s); shown as 1 h until the first read "
+            "(a server loading its model: alert KvgateUpstreamNeverUp).",
+            [target(f"clamp_max(kvgate_upstream_metrics_age_seconds{{{K}}}, 3600)",
+                    "{{instance}}")],
             unit="s",
             thresholds=[(None, "green"), (30, "red")],
         ),

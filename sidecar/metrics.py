@@ -174,7 +174,9 @@ class SidecarMetrics:
         for outcome in SHADOW_OUTCOMES:
             self.shadow_decisions.labels(outcome.value)
         self.queue_wait_seconds = LoopHistogram(
-            "kvgate_queue_wait_seconds", "Time admitted requests waited in the queue.",
+            "kvgate_queue_wait_seconds",
+            "Time requests waited in the queue, whatever came of them (admitted, refused "
+            "at their deadline or the queue's maximum wait, or cancelled by the client).",
             QUEUE_BUCKETS_S, registry,
         ).labels()
         self.predicted_ttft = LoopHistogram(

@@ -444,7 +444,9 @@ def test_prompts_admitted_before_and_not_yet_prefilled_are_ahead_in_the_ttft() -
 
 def test_queue_timeout_after_max_wait() -> None:
     clock = FakeClock()
+    recorder = Recorder()
     ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_wait_s=5.0))
+    ctl.listener = recorder
     loop = FakeClockLoop(clock)
     try:
         running = loop.run_until_complete(admit(ctl, prompt_tokens=500, max_tokens=12))
@@ -457,6 +459,8 @@ def test_queue_timeout_after_max_wait() -> None:
         exc = waiting.exception()
         assert isinstance(exc, Rejected) and exc.decision.outcome is Outcome.QUEUE_TIMEOUT
         assert len(ctl.queue) == 0
+        # Its wait is one of the queue's waits (a stalled queue's are the longest).
+        assert recorder.waits == [pytest.approx(5.1)]
         running.finish()  # type: ignore[attr-defined]
         assert ctl.ledger.reserved_blocks == 0
     finally:
@@ -478,6 +482,7 @@ def test_cancelled_while_queued_leaves_nothing_behind() -> None:
             loop.run_until_complete(waiting)
         assert len(ctl.queue) == 0 and ctl.queue.blocks == 0
         assert (Outcome.CANCELLED, False) in recorder.decisions
+        assert recorder.waits == [0.0]  # a wait too, however short
         running.finish()  # type: ignore[attr-defined]
         assert ctl.ledger.reservations == 0
     finally:

@@ -159,6 +159,9 @@ async def test_the_reservation_covers_what_vllm_holds_and_follows_it_down(
             headers: list[int] = []
             groups = len(plan(sidecar, 870, 70)["kv_layout"])
             misses = 0
+            # A sliding-window model: kvgate's hold fell below the peak in some request
+            # (a busy machine's sampler can miss the fall in one request, as the peak).
+            shrunk = name != "tiny-mistral"
             # vLLM's gauge shows a sliding-window request's prefill peak for one step
             # only, and a sampler on a busy machine can miss it in a row: a sample is a
             # lower bound of what vLLM held, so look again (at most 30 requests, ~0.5 s
@@ -186,10 +189,12 @@ async def test_the_reservation_covers_what_vllm_holds_and_follows_it_down(
                 if name == "tiny-mistral":
                     # Past the prefill the window is all it holds, and all kvgate keeps.
                     held = [blocks for _, blocks in sampler.ours if blocks]
-                    assert held and min(held) < headers[-1], held
-                if len(peaks) >= 3 and headers[0] <= max(peaks) + groups:
+                    assert held and max(held) <= headers[-1], held
+                    shrunk = shrunk or min(held) < headers[-1]
+                if len(peaks) >= 3 and headers[0] <= max(peaks) + groups and shrunk:
                     break
         assert len(peaks) >= 3, (peaks, f"{misses} requests without a sample of vLLM")
+        assert shrunk, "kvgate never held less than the prefill peak past the prefill"
         # At its peak the reservation is at most one block per KV cache group above
         # what vLLM held, and never below it.
         assert max(peaks) <= headers[0] <= max(peaks) + groups, (peaks, headers)

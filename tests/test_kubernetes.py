@@ -529,12 +529,15 @@ def test_helm_lint_strict(values_files: list[Path]) -> None:
         # A setting the chart passes itself, silently overridden or desynchronised.
         {"kvgate": {"extraEnv": [{"name": "KVGATE_PORT", "value": "9000"}]}},
         {"kvgate": {"extraEnv": [{"name": "KVGATE_DRAIN_TIMEOUT_S", "value": "90"}]}},
+        # /metrics moved off the port the ServiceMonitor scrapes: every kvgate_* series gone.
+        {"kvgate": {"extraEnv": [{"name": "KVGATE_ADMIN_PORT", "value": "9090"}]}},
         # vLLM's seats set beside the value kvgate is told.
         {"vllm": {"extraArgs": ["--max-num-seqs", "256"]}},
         {"model": {"maxNumSeqs": 1_000_001}},
     ],
     ids=["mode", "prestop", "autoscaling-mode", "model-name", "unknown-key", "zero-wait",
-         "queue-too-long", "extra-env-port", "extra-env-drain", "extra-args-seats",
+         "queue-too-long", "extra-env-port", "extra-env-drain", "extra-env-admin-port",
+         "extra-args-seats",
          "seats-too-many"],
 )
 def test_values_schema_rejects_bad_values(values: dict[str, Any]) -> None:

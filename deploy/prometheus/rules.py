@@ -46,6 +46,7 @@ DRIFT_LOW, DRIFT_HIGH = 0.67, 1.5  # healthy band of the median observed/predict
 DRIFT_MIN_OBSERVATIONS = 20  # per 30 min window, before the median is trusted
 QUEUE_LENGTH = 50  # requests waiting in kvgate's queue
 QUEUE_WAIT_P90_SECONDS = 10  # p90 time a request waits in the queue (default max 60 s)
+NEVER_UP_FOR = "35m"  # longer than the pod's start-up budget for loading the model (30 min)
 METRICS_MAX_AGE_SECONDS = 30  # age of the last successful read of vLLM's /metrics
 KV_EVENTS_STALE_FOR = "5m"  # KV cache events stale (--kv-events-stale-s) this long
 KV_EVENTS_TRAFFIC_WINDOW = "2m"  # ... while kvgate sent requests within this window
@@ -130,20 +131,21 @@ KV_EXHAUSTION_PREDICTED = Alert(
         4. If kvgate_kv_capacity_blocks differs from the server's own KV size (vLLM start-up
            log "KV cache size"), fix --model-config, --gpu / --gpu-memory-gib or --tp.
         5. Make sure every client goes through kvgate (no direct traffic to the vLLM port).
-        6. Sustained demand: add replicas, or lower vLLM's --max-num-seqs.
+        6. Sustained demand: add replicas, or lower the server's --max-num-seqs (chart:
+           model.maxNumSeqs; kustomize: vLLM's flag and KVGATE_MAX_NUM_SEQS together).
     """,
 )
 
 KV_EXHAUSTION_IMMINENT = Alert(
     name="KvgateKVExhaustionImminent",
     expr=f"min by ({BY}) (kvgate_kv_forecast_exhaustion_seconds) < {KV_EXHAUSTION_SECONDS}",
-    for_="2m",
+    for_="30s",
     severity="critical",
     summary="KV cache of the server behind {{ $labels.instance }} forecast to run out soon",
     description=f"""
         kvgate on {{{{ $labels.instance }}}} (job {{{{ $labels.job }}}}) forecasts the
         server's KV cache to be exhausted in {{{{ $value | humanizeDuration }}}}
-        (threshold {KV_EXHAUSTION_SECONDS}s, sustained 2 minutes); running requests will be
+        (threshold {KV_EXHAUSTION_SECONDS}s, sustained 30 seconds); running requests will be
         preempted and their streams stall.
     """,
     runbook="""
@@ -153,7 +155,8 @@ KV_EXHAUSTION_IMMINENT = Alert(
         3. Lower --kv-target-ratio (default 0.95) so kvgate keeps more KV headroom, and
            check for traffic that bypasses kvgate straight to the vLLM port.
         4. Long generations dominate the forecast: cap max_tokens for the clients, or
-           lower vLLM's --max-num-seqs / --max-model-len.
+           lower the server's --max-num-seqs (chart: model.maxNumSeqs; kustomize: vLLM's
+           flag and KVGATE_MAX_NUM_SEQS together) or --max-model-len.
         5. Then follow the runbook of KvgateKVExhaustionPredicted.
     """,
 )
@@ -180,7 +183,8 @@ VLLM_PREEMPTIONS = Alert(
         3. Compare kvgate_kv_capacity_blocks with the server's KV size (vLLM start-up log)
            and fix --model-config, --gpu, --tp if they differ; lower --kv-target-ratio
            (default 0.95).
-        4. On the server: lower --max-num-seqs or --max-num-batched-tokens, or raise
+        4. On the server: lower --max-num-seqs (and kvgate's KVGATE_MAX_NUM_SEQS with it;
+           chart: model.maxNumSeqs) or --max-num-batched-tokens, or raise
            --gpu-memory-utilization if the GPU has room; otherwise add replicas.
     """,
 )
@@ -274,15 +278,18 @@ QUEUE_BACKLOG = Alert(
     description=f"""
         {{{{ $value | humanize }}}} requests have been waiting in kvgate's queue on
         {{{{ $labels.instance }}}} (job {{{{ $labels.job }}}}), more than {QUEUE_LENGTH} for
-        10 minutes: demand exceeds what the server can hold in its KV cache.
+        10 minutes: demand exceeds what the server can hold in its KV cache or run at
+        once (its --max-num-seqs, when kvgate is told it).
     """,
     runbook="""
         1. Demand exceeds capacity: add replicas (scale the kvgate+vLLM deployment).
         2. Check the KV panels: if reserved stays well below capacity while requests queue,
            kvgate is too conservative; see KvgatePredictionDrift and raise
            --kv-target-ratio (default 0.95) carefully.
-        3. Compare kvgate_recommended_max_concurrency with vLLM's --max-num-seqs: if the
-           server caps concurrency lower than the KV cache allows, raise --max-num-seqs.
+        3. Compare kvgate_recommended_max_concurrency with the server's --max-num-seqs
+           (GET /kvgate/v1/state: admission.server_queue): if it caps concurrency lower
+           than the KV cache allows, raise it on both (chart: model.maxNumSeqs; kustomize:
+           vLLM's flag and KVGATE_MAX_NUM_SEQS together).
         4. Bound the wait clients see with --queue-max-length (default 1000) and
            --queue-max-wait-s (default 60); clients should honour Retry-After.
     """,
@@ -305,7 +312,8 @@ QUEUE_WAIT = Alert(
         it adds directly to the clients' time to first token.
     """,
     runbook="""
-        1. Add replicas: queued requests wait for KV cache to free up on this server.
+        1. Add replicas: queued requests wait for KV cache, or for one of the server's
+           --max-num-seqs seats, to free up on this server.
         2. Few long generations can hold the cache: cap clients' max_tokens, and use
            x-kvgate-priority so interactive traffic overtakes batch traffic.
         3. If the KV cache is not actually full (dashboard "KV cache" row), kvgate
@@ -317,23 +325,57 @@ QUEUE_WAIT = Alert(
 
 UPSTREAM_DOWN = Alert(
     name="KvgateUpstreamDown",
-    expr=f"max by ({BY}) (kvgate_upstream_up) == 0",
+    # Down after it was up: kvgate read the server's /metrics once (their age is finite).
+    # A server still loading its model is KvgateUpstreamNeverUp's, not a page.
+    expr=f"""
+        max by ({BY}) (kvgate_upstream_up) == 0
+        and on ({BY})
+        max by ({BY}) (kvgate_upstream_metrics_age_seconds) < +Inf
+    """,
     for_="1m",
     severity="critical",
     summary="kvgate on {{ $labels.instance }} cannot reach its vLLM server",
     description="""
         kvgate on {{ $labels.instance }} (job {{ $labels.job }}) has seen its upstream vLLM
-        server as down for 1 minute; it answers 503 (outcome unavailable) and /readyz
-        fails, so the pod leaves the Service.
+        server, up before, as down for 1 minute; it answers 503 (outcome unavailable) and
+        /readyz fails, so the pod leaves the Service.
     """,
     runbook="""
         1. Check the vllm container: kubectl logs <pod> -c vllm (and --previous); look for
-           CUDA out of memory, a failed model download or an engine crash.
-        2. kubectl describe pod <pod>: restarts, OOMKilled, pending GPU.
-        3. Check --upstream (KVGATE_UPSTREAM) points at the vLLM port (8000) and that vLLM
+           CUDA out of memory or an engine crash.
+        2. kubectl describe pod <pod>: restarts, OOMKilled.
+        3. kubectl logs <pod> -c kvgate: "upstream is down" says why kvgate sees it down;
+           "polling the server failed" means kvgate cannot read the server's answers
+           (a vLLM upgrade it does not follow yet).
+        4. Check --upstream (KVGATE_UPSTREAM) points at the vLLM port (8000) and that vLLM
            listens on 0.0.0.0 inside the pod.
-        4. A slow model load looks the same at start-up: wait for vLLM's "Application
-           startup complete" before acting.
+    """,
+)
+
+UPSTREAM_NEVER_UP = Alert(
+    name="KvgateUpstreamNeverUp",
+    expr=f"""
+        max by ({BY}) (kvgate_upstream_up) == 0
+        unless on ({BY})
+        max by ({BY}) (kvgate_upstream_metrics_age_seconds) < +Inf
+    """,
+    for_=NEVER_UP_FOR,
+    severity="warning",
+    summary="kvgate on {{ $labels.instance }} has not seen its vLLM server come up",
+    description=f"""
+        kvgate on {{{{ $labels.instance }}}} (job {{{{ $labels.job }}}}) has not read its vLLM
+        server's /metrics since it started, for {NEVER_UP_FOR}: longer than the pod's
+        start-up budget for loading the model (30 minutes). The pod takes no traffic.
+    """,
+    runbook="""
+        1. kubectl logs <pod> -c vllm: is it still downloading or loading the model, or did
+           it fail (CUDA out of memory, a missing model file, a bad flag)?
+        2. kubectl describe pod <pod>: a pending GPU, a failing startupProbe, restarts.
+        3. kubectl logs <pod> -c kvgate: "upstream is down" says what kvgate gets from
+           --upstream (KVGATE_UPSTREAM, the vLLM port 8000); "polling the server failed"
+           means it cannot read the server's answers.
+        4. A model that needs longer to load: raise the vLLM startupProbe's
+           failureThreshold (chart: vllm.startupProbe).
     """,
 )
 
@@ -423,6 +465,7 @@ GROUPS: tuple[Group, ...] = (
             QUEUE_BACKLOG,
             QUEUE_WAIT,
             UPSTREAM_DOWN,
+            UPSTREAM_NEVER_UP,
             UPSTREAM_METRICS_STALE,
             KV_EVENTS_STALE,
         ),

@@ -659,9 +659,13 @@ class AdmissionController:
                     self._dispatch()  # it may have been the head that did not fit
             self._report(Decision(Outcome.CANCELLED, "the client went away while queued",
                                   None, queued.details))
+            self.listener.queue_wait(self.clock() - entry.arrival_s)
             raise
         model_wait_s = queued.details.get("model_wait_s")
         if isinstance(result, Decision):
+            # Refused after waiting (its target or the queue's maximum wait): a wait too,
+            # the longest ones when the server stalls.
+            self.listener.queue_wait(self.clock() - entry.arrival_s)
             # Room came too late for it: that wait is as much a measure of the model's
             # waits as an admitted request's.
             waited_s = cast(_Waiter, entry.payload).room_after_s

@@ -55,6 +55,7 @@ from sidecar.upstream import (
     CacheConfig,
     Engine,
     ModelInfo,
+    ServerMetrics,
     UpstreamView,
     UpstreamWatcher,
 )
@@ -673,15 +674,17 @@ class Services:
             upstream_up=bool(view and view.up),
             upstream_metrics_age_s=view.metrics_age_s(now) if view else math.inf,
             server_waiting=metrics.waiting if metrics else None,
-            prefix=self.prefix_view(view),
+            prefix=self.prefix_view(view, metrics),
             others_blocks=controller.others_blocks if metrics else None,
         )
 
-    def prefix_view(self, view: UpstreamView | None) -> PrefixView | None:
+    def prefix_view(self, view: UpstreamView | None,
+                    metrics: ServerMetrics | None) -> PrefixView | None:
+        """The prefix cache's figures; the server's from `metrics`, its last scrape while
+        fresh (None when stale or down: not known, as every server figure)."""
         controller = self.controller
         if controller is None:
             return None
-        metrics = view.metrics if view is not None else None
         prefix = controller.sharing.index
         subscriber = self.kv_events
         last_event = subscriber.last_event_s if subscriber else None
