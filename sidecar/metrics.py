@@ -246,7 +246,7 @@ class SidecarMetrics:
             "kvgate_upstream_errors", "Proxied requests that failed upstream, by kind.",
             ["kind"], registry=registry,
         )
-        for kind in ("connect", "timeout", "disconnect", "status"):
+        for kind in ("connect", "protocol", "timeout", "disconnect", "status"):
             self.upstream_errors.labels(kind)
         self.upstream_refusals = Counter(
             "kvgate_upstream_refusals",

@@ -387,3 +387,25 @@ def test_headers_the_connection_header_names_go_no_further() -> None:
         ("Connection", "X-Request-Id, X-Data-Parallel-Rank"), ("X-Request-Id", "mine")]))
     assert RequestRecord("kv-1", "POST", "/v1/completions").upstream_headers(
         _forward_headers(naming, _NOT_FORWARDED)) == [("X-Request-Id", "kv-1")]
+
+
+def test_an_upstream_failure_is_counted_by_what_the_server_did() -> None:
+    """Refused or reset: 503, kind connect; an answer that is not HTTP: 502, kind
+    protocol (a server speaking something else, not one that is down)."""
+    from types import SimpleNamespace
+
+    from prometheus_client import CollectorRegistry
+
+    from sidecar.metrics import SidecarMetrics
+    from sidecar.server.proxy import _upstream_failed
+    from sidecar.upstream.http1 import ForwardError, UpstreamProtocolError
+
+    registry = CollectorRegistry()
+    services = SimpleNamespace(metrics=SidecarMetrics(registry, lambda: None),  # type: ignore[arg-type, return-value]
+                               watcher=None, settings=SimpleNamespace(read_timeout_s=600.0))
+    answers = {kind: _upstream_failed(services, error).status  # type: ignore[arg-type]
+               for kind, error in (("protocol", UpstreamProtocolError("HTTP/9")),
+                                   ("connect", ForwardError("reset")))}
+    assert answers == {"protocol": 502, "connect": 503}
+    for kind in ("protocol", "connect"):
+        assert registry.get_sample_value("kvgate_upstream_errors_total", {"kind": kind}) == 1

@@ -280,7 +280,7 @@ async def test_soak_with_random_faults_leaves_nothing_behind(
                             "queue_timeout", "unavailable", "cancelled")},
         "upstream_errors": {
             kind: metric_value(metrics, "kvgate_upstream_errors_total", f'kind="{kind}"')
-            for kind in ("connect", "timeout", "disconnect", "status")},
+            for kind in ("connect", "protocol", "timeout", "disconnect", "status")},
         "tokenize_fallbacks": metric_value(metrics, "kvgate_tokenize_fallback_total"),
         "before": before,
         "after": after,

@@ -41,6 +41,7 @@ BY = "namespace, job, instance"
 # Thresholds, in one place (the runbooks and the unit tests quote them).
 KV_EXHAUSTION_SECONDS = 60  # forecast time to KV exhaustion that is "imminent"
 REJECTION_RATIO = 0.10  # share of decisions that reject a request
+UPSTREAM_ERROR_RATIO = 0.05  # share of admitted requests that fail at the server
 REJECTION_MIN_RPS = 0.05  # below this request rate the ratio is noise (3 requests/min)
 DRIFT_LOW, DRIFT_HIGH = 0.67, 1.5  # healthy band of the median observed/predicted ratio
 DRIFT_MIN_OBSERVATIONS = 20  # per 30 min window, before the median is trusted
@@ -379,6 +380,43 @@ UPSTREAM_NEVER_UP = Alert(
     """,
 )
 
+UPSTREAM_ERRORS = Alert(
+    name="KvgateUpstreamErrors",
+    expr=f"""
+        (
+          sum by ({BY}) (rate(kvgate_upstream_errors_total[5m]))
+        /
+          sum by ({BY}) (rate(kvgate_requests_total{{outcome="admitted"}}[5m]))
+        ) > {UPSTREAM_ERROR_RATIO}
+        and
+        sum by ({BY}) (rate(kvgate_requests_total{{outcome="admitted"}}[5m])) > {REJECTION_MIN_RPS}
+    """,
+    for_="10m",
+    severity="warning",
+    summary="Requests kvgate admits fail at the server behind {{ $labels.instance }}",
+    description=f"""
+        {{{{ $value | humanizePercentage }}}} of the requests kvgate on
+        {{{{ $labels.instance }}}} (job {{{{ $labels.job }}}}) admitted over the last 5
+        minutes failed at the server (refused or reset, an answer that is not HTTP, a
+        timeout, a stream cut off, a 5xx), above {UPSTREAM_ERROR_RATIO:.0%} for 10 minutes;
+        kvgate counts them admitted, so no rejection alert sees them.
+    """,
+    runbook="""
+        1. Dashboard "kvgate", panel "Upstream errors" (label kind) tells which:
+           - connect / disconnect: vLLM restarts or drops connections: kubectl logs <pod>
+             -c vllm (and --previous), kubectl describe pod <pod> (OOMKilled, restarts).
+           - timeout: the server stays silent longer than --read-timeout-s (default 600):
+             an engine stall; check vLLM's logs and its GPU.
+           - status: vLLM answers 5xx; its logs name the error.
+           - protocol: something other than vLLM answers on --upstream (KVGATE_UPSTREAM).
+        2. kubectl logs <pod> -c kvgate: the access log's lines with end upstream_cut or
+           timeout (field upstream_error) give each failed request's id and time.
+        3. kvgate_upstream_refusals_total rising too: the server's own admission refuses
+           what kvgate sends; give kvgate the server's --max-num-queued-reqs /
+           --max-num-queued-tokens (docs/server-admission.md).
+    """,
+)
+
 UPSTREAM_METRICS_STALE = Alert(
     name="KvgateUpstreamMetricsStale",
     expr=f"""
@@ -466,6 +504,7 @@ GROUPS: tuple[Group, ...] = (
             QUEUE_WAIT,
             UPSTREAM_DOWN,
             UPSTREAM_NEVER_UP,
+            UPSTREAM_ERRORS,
             UPSTREAM_METRICS_STALE,
             KV_EVENTS_STALE,
         ),

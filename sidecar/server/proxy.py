@@ -164,10 +164,11 @@ def _upstream_failed(services: Services, exc: ForwardError) -> web.Response:
         timeout_s = services.settings.read_timeout_s
         return error_response(504, f"the model server did not answer within {timeout_s:g} s "
                               "(--read-timeout-s)", code="upstream_timeout", retry_after_s=5.0)
-    services.metrics.upstream_errors.labels("connect").inc()
     if isinstance(exc, UpstreamProtocolError):
+        services.metrics.upstream_errors.labels("protocol").inc()
         return error_response(502, f"the model server answered something unusable ({name})",
                               code="upstream_failed", retry_after_s=5.0)
+    services.metrics.upstream_errors.labels("connect").inc()
     return _unavailable(f"the model server is unavailable ({name})")
 
 
