@@ -144,7 +144,7 @@ async def test_told_the_limits_kvgate_sends_nothing_the_server_refuses(
         state = sidecar.wait_idle()
         assert state["admission"]["server_queue"] == {
             "max_num_queued_reqs": MAX_REQS, "max_num_queued_tokens": MAX_TOKENS,
-            "requests": 0, "prefill_tokens": 0}
+            "max_num_seqs": None, "requests": 0, "prefill_tokens": 0}
         _record("kvgate_with_limits", results, counted, peak_requests=peak)
 
 

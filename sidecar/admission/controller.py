@@ -627,7 +627,6 @@ class AdmissionController:
             arrival_s=now,
             band=band,
             tenant=request.tenant,
-            sequences=request.sequences,
             blocks=cost.kv_blocks,
             cost=cost.gpu_seconds(self.ledger.capacity_blocks),
             deadline_s=deadline,

@@ -42,7 +42,6 @@ class Entry:
     deadline_s: float | None = None
     payload: object = None
     seq: int = -1
-    sequences: int = 1  # what the server counts it as (n / best_of, prompts)
     removed: bool = False
 
     def view(self) -> EntryView:
@@ -68,7 +67,6 @@ class _Band:
     served: OrderedDict[str, float] = field(default_factory=OrderedDict)
     size: int = 0
     blocks: int = 0
-    sequences: int = 0
 
     def oldest(self) -> Entry | None:
         while self.arrivals and self.arrivals[0][2].removed:
@@ -115,7 +113,6 @@ class AdmissionQueue:
         tenant.size += 1
         band.size += 1
         band.blocks += entry.blocks
-        band.sequences += entry.sequences
         self._size += 1
         self._blocks += entry.blocks
         self._version += 1
@@ -138,7 +135,6 @@ class AdmissionQueue:
         tenant.size -= 1
         band.size -= 1
         band.blocks -= entry.blocks
-        band.sequences -= entry.sequences
         self._size -= 1
         self._blocks -= entry.blocks
         if tenant.size == 0:
@@ -239,10 +235,6 @@ class AdmissionQueue:
         bands as important, and those of less important bands the priority policy
         serves first (starved past its bound)."""
         return sum(b.size for b in self._bands_before(band, now_s))
-
-    def sequences_ahead_of(self, band: int, now_s: float) -> int:
-        """The sequences (what the server counts) of `waiting_ahead_of`'s requests."""
-        return sum(b.sequences for b in self._bands_before(band, now_s))
 
     def _bands_before(self, band: int, now_s: float) -> list[_Band]:
         """The bands whose waiting requests are all served before a new one of `band`."""

@@ -92,13 +92,6 @@ class ServerQueueLimits:
             return MAX_RUNNING
         return None
 
-    def sequences_over_running_limit(self, requests: int, sequences: int) -> int:
-        """Sequences that must end before a request of `sequences` runs beside
-        `requests` others (0 without `--max-num-seqs`)."""
-        if self.max_running is None:
-            return 0
-        return requests + min(sequences, self.max_running) - self.max_running
-
     def describe(self, reason: str) -> str:
         if reason == MAX_RUNNING:
             return f"the server's --max-num-seqs {self.max_running}"
