@@ -11,8 +11,10 @@ variable. Variables:
 
 * ``model``         kvgate_info's ``model`` label
 * ``instance``      kvgate sidecars serving the selected models (kvgate_info)
-* ``vllm_instance`` vLLM servers (any target exposing ``vllm:num_requests_running``; the
-                    sidecar's ``--gateway-metrics`` does not expose that one)
+* ``vllm_instance`` vLLM servers of the selected models (any target exposing
+                    ``vllm:num_requests_running``, by its ``model_name``: the served name,
+                    kvgate_info's ``model``; the sidecar's ``--gateway-metrics`` does not
+                    expose that one)
 
 Metric names are those of ``docs/contracts.md``. Standard library only.
 """
@@ -924,7 +926,7 @@ def dashboard() -> dict[str, Any]:
                 _query_variable(
                     "vllm_instance",
                     "vLLM instance",
-                    "label_values(vllm:num_requests_running, instance)",
+                    'label_values(vllm:num_requests_running{model_name=~"$model"}, instance)',
                 ),
             ]
         },
