@@ -217,6 +217,11 @@ def test_settings_errors_name_the_setting_wherever_it_came_from(tmp_path: Path) 
             load_settings({"upstream": bad}, {}, None)
     for good in ("http://x", "http://[::1]:8000", "https://x:8443/", "http://u:p@x"):
         assert load_settings({"upstream": good}, {}, None).upstream == good.rstrip("/")
+    # Figures that go stale before the next scrape.
+    with pytest.raises(SettingsError, match="--metrics-stale-s .* must be longer than"):
+        load_settings({"upstream": "http://x:1", "metrics_interval_s": "30"}, {}, None)
+    assert load_settings({"upstream": "http://x:1", "metrics_interval_s": "30",
+                          "metrics_stale_s": "90"}, {}, None).metrics_stale_s == 90
     # One port for both listeners.
     with pytest.raises(SettingsError, match="--admin-port must differ from --port"):
         load_settings({"upstream": "http://x:1", "port": "9000", "admin_port": "9000"}, {}, None)

@@ -225,6 +225,16 @@ class ServeSettings(BaseModel):
                              "unset to serve /metrics and /kvgate/v1/* on --port")
         return self
 
+    @model_validator(mode="after")
+    def _fresh_between_scrapes(self) -> ServeSettings:
+        if self.metrics_stale_s <= self.metrics_interval_s:
+            raise ValueError(
+                f"--metrics-stale-s ({self.metrics_stale_s:g}) must be longer than "
+                f"--metrics-interval-s ({self.metrics_interval_s:g}): the server's figures "
+                "would be stale before the next scrape, and every decision between two "
+                "scrapes made without them")
+        return self
+
     @field_validator("kv_events_endpoint")
     @classmethod
     def _zmq_endpoint(cls, value: str | None) -> str | None:
