@@ -55,11 +55,14 @@ import argparse
 import csv
 import itertools
 import math
+import multiprocessing
+import os
 import re
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
@@ -401,17 +404,28 @@ class Prediction:
 
 def cross_validate(
     cases: Sequence[LatencyCase] | None = None, rounds: int = 5, by: str = "family",
-    starts_s: Sequence[float] = PER_REQUEST_STARTS_S,
+    starts_s: Sequence[float] = PER_REQUEST_STARTS_S, workers: int | None = None,
 ) -> tuple[list[Prediction], dict[str, dict[str, float]]]:
     """Leave-one-group-out predictions of every usable row (groups: model families, or
-    `by="source"` the measurements' sources), and each fold's terms."""
+    `by="source"` the measurements' sources), and each fold's terms. The folds' fits
+    run in `workers` processes (default: one per core, at most 2); each is
+    deterministic, so the answer is the same however many."""
     cases = list(cases if cases is not None else usable_cases())
     group = GROUPINGS[by]
     out: list[Prediction] = []
-    folds: dict[str, dict[str, float]] = {}
-    for held in sorted({group(c) for c in cases}):
-        values = fit([c for c in cases if group(c) != held], rounds, starts_s)
-        folds[held] = values
+    held_out = sorted({group(c) for c in cases})
+    training = [[c for c in cases if group(c) != held] for held in held_out]
+    workers = min(2, os.cpu_count() or 1) if workers is None else workers
+    if workers > 1 and len(training) > 1:
+        # Spawned, not forked: the caller (a test session) may hold threads and locks.
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(workers, mp_context=context) as pool:
+            fitted = list(pool.map(fit, training, itertools.repeat(rounds),
+                                   itertools.repeat(tuple(starts_s))))
+    else:
+        fitted = [fit(rows, rounds, starts_s) for rows in training]
+    folds: dict[str, dict[str, float]] = dict(zip(held_out, fitted, strict=True))
+    for held, values in folds.items():
         for case in (c for c in cases if group(c) == held):
             efficiency = efficiency_for(values, case.engine)
             itl = None
