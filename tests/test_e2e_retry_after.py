@@ -12,25 +12,32 @@ from typing import Any
 import aiohttp
 import pytest
 
-from support.load import PROMPT, stream_completion
+from support.load import PROMPT
 from support.sidecar import Sidecar
 from support.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm]
 
-# The holder: ~90 prompt + 900 output tokens (31 blocks); the retrying client: a prompt
-# of its own (no shared prompt block), its output clamped to the context (32 blocks).
-# Together they need more than the 59 blocks kvgate reserves up to.
+# The holder: ~90 prompt + 900 output tokens (31 blocks at its end). The retrying client:
+# a prompt of its own (~500 tokens, no block shared with the holder's) and two sequences
+# of 420 output tokens (29 blocks each at their end). kvgate sums what each will hold
+# step by step, so a client fits beside a running request that will end before the two
+# together outgrow the 59 blocks kvgate reserves up to. This one does not fit however
+# far along the holder is, until its last steps: the refusal does not race the holder
+# (with one short sequence it would fit once the holder is ~230 tokens along, a fraction
+# of a second that a busy machine's client can miss).
 MAX_TOKENS = 900
-OTHER_PROMPT = "Pack my box with five dozen liquor jugs, said the wizard. " * 7
+OTHER_PROMPT = "Pack my box with five dozen liquor jugs, said the wizard. " * 15
+OTHER_MAX_TOKENS = 420
+OTHER_SEQUENCES = 2
 LONGEST_WAIT_S = 60.0  # a client waits at most this long in all
 
 
 async def attempt(session: aiohttp.ClientSession, url: str) -> tuple[int, dict[str, Any]]:
     """Send the request; on 200 read only the first event, then leave (its stream is
     aborted); else read the refusal."""
-    body = {"model": "tiny-llama", "prompt": OTHER_PROMPT, "max_tokens": MAX_TOKENS,
-            "stream": True, "ignore_eos": True}
+    body = {"model": "tiny-llama", "prompt": OTHER_PROMPT, "max_tokens": OTHER_MAX_TOKENS,
+            "n": OTHER_SEQUENCES, "stream": True, "ignore_eos": True}
     async with session.post(url + "/v1/completions", json=body) as response:
         if response.status == 200:
             await response.content.readline()
@@ -46,16 +53,24 @@ async def test_a_client_retrying_after_retry_after_gets_in(small_kv_vllm: VllmSe
             started = time.monotonic()
             ended: list[float] = []
 
+            first_token = asyncio.Event()
+
             async def hold() -> dict[str, Any]:
-                result = await stream_completion(session, sidecar.url, MAX_TOKENS,
-                                                 prompt=PROMPT)
+                body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": MAX_TOKENS,
+                        "stream": True, "ignore_eos": True}
+                async with session.post(sidecar.url + "/v1/completions",
+                                        json=body) as response:
+                    result: dict[str, Any] = {"status": response.status}
+                    async for line in response.content:
+                        if line.startswith(b"data: {"):
+                            first_token.set()
                 ended.append(time.monotonic() - started)
                 return result
 
             holder = asyncio.create_task(hold())
-            while sidecar.state()["admission"]["inflight"] == 0:
-                assert not holder.done(), holder.result()
-                await asyncio.sleep(0.05)
+            waiting = asyncio.create_task(first_token.wait())
+            await asyncio.wait({holder, waiting}, return_when=asyncio.FIRST_COMPLETED)
+            assert first_token.is_set(), holder.result()
             refusals: list[tuple[float, dict[str, Any]]] = []
             waited_s = 0.0
             while True:
