@@ -84,7 +84,9 @@ def test_never_fits_tells_the_largest_max_tokens() -> None:
         assert "1 x (900 prompt + 124 output) tokens (max_tokens 200 clamped" in decision.reason
         assert "64 KV blocks at their peak, more than the 59" in decision.reason
         assert decision.retry_after_s is None
-        # 4 sequences of 300 tokens need 76 blocks; 4 x (200 + 25 - 1) tokens fit in 56.
+        # Without prefix caching (forks then share no prompt block), 4 sequences of 300
+        # tokens need 76 blocks; 4 x (200 + 25 - 1) tokens fit in 56.
+        ctl.set_prefix_caching(False)
         with pytest.raises(Rejected) as too_big:
             await admit(ctl, prompt_tokens=200, max_tokens=100, sequences=4)
         assert too_big.value.decision.outcome is Outcome.NEVER_FITS
@@ -96,6 +98,55 @@ def test_never_fits_tells_the_largest_max_tokens() -> None:
         assert "max_model_len (1024)" in too_long.value.decision.reason
 
     run(scenario())
+
+
+def test_the_forks_of_one_prompt_hold_its_full_blocks_once() -> None:
+    ctl = controller(num_blocks=64)  # 59 blocks of 16 tokens to reserve
+
+    async def scenario() -> None:
+        # n = 4 forks of a 200-token prompt, 100 output tokens each: 19 blocks apiece on
+        # their own; with prefix caching the 12 full prompt blocks (199 tokens: vLLM
+        # computes the last token itself) are held once: 4 x 19 - 3 x 12 = 40.
+        ticket = await admit(ctl, prompt_tokens=200, max_tokens=100, sequences=4)
+        assert ticket.cost.kv_blocks == 40  # type: ignore[attr-defined]
+        assert ctl.ledger.reserved_blocks == 40
+        # A prompt of a whole number of blocks: its last block is each fork's own.
+        assert ctl.cost_model.peak_blocks(192, 100, 4) == 4 * 19 - 3 * 11
+        assert ticket.finish() is True  # type: ignore[attr-defined]
+        assert ctl.ledger.reserved_blocks == 0
+        # A batch of 2 prompts x 2 forks: its sequences are charged in full (which
+        # prompts they fork from is not known), 76 blocks: more than the cache gives.
+        with pytest.raises(Rejected) as batch:
+            await admit(ctl, prompt_tokens=200, max_tokens=100, sequences=4, prompts=2)
+        assert batch.value.decision.outcome is Outcome.NEVER_FITS
+        assert "76 KV blocks" in batch.value.decision.reason
+        # Prefix caching off: nothing shared either.
+        ctl.set_prefix_caching(False)
+        with pytest.raises(Rejected) as unshared:
+            await admit(ctl, prompt_tokens=200, max_tokens=100, sequences=4)
+        assert unshared.value.decision.outcome is Outcome.NEVER_FITS
+        ctl.set_prefix_caching(True)
+        assert (await admit(ctl, prompt_tokens=200, max_tokens=100,  # type: ignore[attr-defined]
+                            sequences=4)).cost.kv_blocks == 40
+
+    run(scenario())
+
+
+def test_forks_share_no_prompt_block_where_a_group_frees_or_keeps_state() -> None:
+    # Sliding windows free prompt blocks as each fork advances: each is charged in full.
+    sliding = {"model_type": "mistral", "hidden_size": 128, "intermediate_size": 256,
+               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
+               "head_dim": 32, "sliding_window": 256, "vocab_size": 1024,
+               "max_position_embeddings": 4096, "torch_dtype": "bfloat16"}
+    model = CostModel(tiny_served(num_blocks=512, config=sliding))
+    model.forks_share_prompt = True
+    assert model.fork_shared_blocks(600, 4) == 0
+    assert model.peak_blocks(600, 100, 4) == 4 * model.peak_blocks(600, 100)
+    full = CostModel(tiny_served(num_blocks=512))
+    full.forks_share_prompt = True
+    assert full.fork_shared_blocks(600, 4) == 3 * (599 // 16)
+    assert full.fork_shared_blocks(600, 1) == 0
+    assert full.blocks_now(600, 10, 4) == 4 * full.blocks_now(600, 10) - 3 * (599 // 16)
 
 
 def test_max_tokens_beyond_the_context_is_clamped_as_vllm_clamps_it() -> None:

@@ -20,12 +20,13 @@ pytestmark = [pytest.mark.vllm]
 
 # The holder: ~90 prompt + 900 output tokens (31 blocks at its end). The retrying client:
 # a prompt of its own (~500 tokens, no block shared with the holder's) and two sequences
-# of 420 output tokens (29 blocks each at their end). kvgate sums what each will hold
-# step by step, so a client fits beside a running request that will end before the two
-# together outgrow the 59 blocks kvgate reserves up to. This one does not fit however
-# far along the holder is, until its last steps: the refusal does not race the holder
-# (with one short sequence it would fit once the holder is ~230 tokens along, a fraction
-# of a second that a busy machine's client can miss).
+# of 420 output tokens (43 blocks at their end, the prompt's full blocks held once).
+# kvgate sums what each will hold step by step, so a client fits beside a running
+# request that will end before the two together outgrow the 59 blocks kvgate reserves
+# up to. This one fits only once the holder is ~720 of its 900 tokens along: the first
+# try, sent as the holder's first token arrives, is refused however busy the machine
+# (with one short sequence it would fit once the holder is ~230 tokens along, a
+# fraction of a second that a busy machine's client can miss).
 MAX_TOKENS = 900
 OTHER_PROMPT = "Pack my box with five dozen liquor jugs, said the wizard. " * 15
 OTHER_MAX_TOKENS = 420

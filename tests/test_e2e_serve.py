@@ -140,7 +140,8 @@ async def test_never_fits_is_400_before_the_server_sees_it(
     prompts_before = metric_value(small_kv_vllm.metrics_text(), "vllm:prompt_tokens_total")
     async with aiohttp.ClientSession() as session:
         # 4 sequences of up to 1,023 tokens (max_tokens clamped to the context, as vLLM
-        # clamps it) need 128 blocks: more than the 59 kvgate ever gives one request.
+        # clamps it) need over 120 blocks (the prompt's 2 full blocks held once): more
+        # than the 59 kvgate ever gives one request.
         result = await stream_completion(session, sidecar.url, 3000, n=4, temperature=1.0)
     assert result["status"] == 400
     error = result["body"]["error"]

@@ -296,7 +296,8 @@ async def test_vllm_killed_mid_stream_and_back_with_other_capacity_then_other_mo
                 served = await post_stream(session, url, completion(16, model="tiny-qwen3"))
                 assert served.status == 200 and served.done, served
                 # Its context is 1,000 tokens now: 4 sequences of up to 1,000 tokens
-                # need 4 x 32 blocks, more than kvgate ever gives one request (59).
+                # need about 4 x 32 blocks (their prompt's few full blocks held once),
+                # more than kvgate ever gives one request (59).
                 too_long = await post_stream(session, url, completion(
                     950, model="tiny-qwen3", n=4, temperature=1.0))
                 assert too_long.status == 400

@@ -116,7 +116,7 @@ def test_requests_without_keys_or_with_several_sequences_share_nothing() -> None
 
 def test_prefix_caching_off_shares_nothing() -> None:
     ctl = controller(num_blocks=256)
-    ctl.sharing.set_enabled(False)
+    ctl.set_prefix_caching(False)
     assert ctl.prompt_keys(prompt(1)) == () and ctl.prefix_source == "off"
 
 

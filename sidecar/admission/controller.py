@@ -202,6 +202,7 @@ class AdmissionController:
         self._draining = False
         self._drain_deadline_s: float | None = None
         self.sharing = PromptSharing(self.ledger, cost_model.served.layout)
+        cost_model.forks_share_prompt = self.sharing.enabled
         self.room = KVRoom(self.ledger, cost_model)
         self._room_cache: tuple[int, float, RunningHoldings] | None = None
         # The last walk of the queue (`_queue_ahead`): what it was computed from.
@@ -265,12 +266,22 @@ class AdmissionController:
         after = cost_model.prefill_work_s(_LOAD_REFERENCE_TOKENS)
         if before > 0 and after > 0:
             self.prefill_load.rescale(after / before)
+        cost_model.forks_share_prompt = self.sharing.enabled
         self.cost_model = cost_model
         capacity = cost_model.served.capacity
         self._model_capacity = capacity.usable_blocks if capacity else None
         self.sharing.set_layout(cost_model.served.layout)
         self.room.set_cost_model(cost_model)
         self.update_server(self.server)
+
+    def set_prefix_caching(self, enabled: bool) -> None:
+        """Whether the server shares prompt blocks (vLLM's --enable-prefix-caching):
+        between requests with a common prefix, and between the sequences one request
+        forks (n / best_of)."""
+        self.sharing.set_enabled(enabled)
+        if self.cost_model.forks_share_prompt != enabled:
+            self.cost_model.forks_share_prompt = enabled
+            self._room_cache = None
 
     def drain(self, timeout_s: float) -> None:
         """Stop admitting: new requests and waiting ones are refused."""
@@ -397,7 +408,7 @@ class AdmissionController:
             request.prompt_tokens, output_tokens, request.sequences, running,
             self._mean_context(), self.prefill_load.slowdown(now, running),
             shared_blocks=shared, cached_tokens=plan.cached_tokens,
-            ahead_tokens=self._running.prefill_ahead_tokens(now),
+            ahead_tokens=self._running.prefill_ahead_tokens(now), prompts=request.prompts,
         )
 
     def _never_fits(self, request: AdmissionRequest, cost: RequestCost) -> Decision | None:
@@ -412,7 +423,7 @@ class AdmissionController:
         largest = min(
             max_len - request.prompt_tokens,
             self.cost_model.largest_output_that_fits(request.prompt_tokens, request.sequences,
-                                                     target),
+                                                     target, request.prompts),
         )
         largest = max(0, largest)
         if too_long:
@@ -811,7 +822,8 @@ class AdmissionController:
     def _grow(self, ticket: Ticket) -> None:
         request = ticket.request
         peak = self.cost_model.peak_blocks(request.prompt_tokens, ticket.output_tokens + 1,
-                                           request.sequences, ticket.output_tokens)
+                                           request.sequences, ticket.output_tokens,
+                                           prompts=request.prompts)
         blocks = self.sharing.own_blocks(peak, ticket.plan)
         if blocks > ticket.reservation.blocks:
             ticket.reservation.resize(blocks)
@@ -827,7 +839,8 @@ class AdmissionController:
             return
         request = ticket.request
         peak = self.cost_model.peak_blocks(request.prompt_tokens, ticket.cost.output_tokens,
-                                           request.sequences, ticket.output_tokens)
+                                           request.sequences, ticket.output_tokens,
+                                           prompts=request.prompts)
         blocks = self.sharing.own_blocks(peak, ticket.plan)
         if blocks < ticket.reservation.blocks:
             ticket.reservation.resize(blocks)
@@ -867,7 +880,7 @@ class AdmissionController:
         self.listener.decided(reported, shadow=True)
         if cost is None:
             cost = self.cost_model.cost(request.prompt_tokens, max(0, (request.max_tokens or 0)),
-                                        request.sequences)
+                                        request.sequences, prompts=request.prompts)
         ticket = self._start(request, cost, now, queue_wait_s=0.0,
                              predicted_ttft_s=cost.prefill_s, shadow_outcome=verdict,
                              plan=plan)
@@ -904,7 +917,8 @@ class AdmissionController:
             views.append(RunningRequest(
                 blocks_now=max(0, self._blocks_now(ticket, progress) - shared),
                 blocks_final=max(0, self.cost_model.blocks_now(
-                    request.prompt_tokens, max(1, expected), request.sequences) - shared),
+                    request.prompt_tokens, max(1, expected), request.sequences,
+                    prompts=request.prompts) - shared),
                 blocks_reserved=ticket.reserved_blocks,
                 finish_in_s=finish_in,
             ))
@@ -924,7 +938,8 @@ class AdmissionController:
         """Blocks the server holds for a running request now (its whole prompt is held
         once admitted: vLLM allocates a chunk's blocks when it schedules it)."""
         return self.cost_model.blocks_now(ticket.request.prompt_tokens, produced,
-                                          ticket.request.sequences)
+                                          ticket.request.sequences,
+                                          prompts=ticket.request.prompts)
 
     @property
     def others_blocks(self) -> int:

@@ -121,6 +121,16 @@ class CostModel:
         self._flops_per_token = 2.0 * served.arch.params_active()
         # Read on every decision: the served model's, looked up once.
         self.max_model_len: int = served.max_model_len
+        # Whether the server shares a prompt's full blocks between the sequences one
+        # request forks (n / best_of): vLLM does with prefix caching on (the admission
+        # controller sets it from the server's setting). Counted only where every
+        # group keeps its prompt blocks for the request's whole life (full attention,
+        # MLA): with sliding windows or state groups each fork is charged in full.
+        self.forks_share_prompt = False
+        layout = served.layout
+        shareable = all(group.spec.prefix_shareable for group in layout.groups)
+        self._fork_block_size = layout.prefix_block_size if shareable else None
+        self._fork_groups = layout.prefix_groups
 
     @property
     def block_size(self) -> int:
@@ -134,16 +144,34 @@ class CostModel:
         return sequences * self._blocks(tokens)
 
     def peak_blocks(self, prompt_tokens: int, output_tokens: int, sequences: int = 1,
-                    produced: int = 0) -> int:
+                    produced: int = 0, *, prompts: int = 1) -> int:
         """The most `sequences` sequences hold from `produced` output tokens to their
-        end (the reservation still needed; see `model.lifecycle`)."""
+        end (the reservation still needed; see `model.lifecycle`); `prompts` > 1: a
+        batch of prompts, whose sequences share no prompt block."""
         if prompt_tokens + output_tokens <= 0:
             return 0
-        return sequences * self.lifecycle.peak_blocks(prompt_tokens, output_tokens, produced)
+        return (sequences * self.lifecycle.peak_blocks(prompt_tokens, output_tokens, produced)
+                - self.fork_shared_blocks(prompt_tokens, sequences, prompts))
 
-    def blocks_now(self, prompt_tokens: int, produced: int, sequences: int = 1) -> int:
+    def blocks_now(self, prompt_tokens: int, produced: int, sequences: int = 1, *,
+                   prompts: int = 1) -> int:
         """Blocks held now, `produced` output tokens into the request."""
-        return sequences * self.lifecycle.blocks_now(prompt_tokens, produced)
+        return (sequences * self.lifecycle.blocks_now(prompt_tokens, produced)
+                - self.fork_shared_blocks(prompt_tokens, sequences, prompts))
+
+    def fork_shared_blocks(self, prompt_tokens: int, sequences: int, prompts: int = 1) -> int:
+        """Blocks that the `sequences` forks of one prompt would each hold but hold
+        once, together (`forks_share_prompt`). vLLM schedules a request's forks as
+        separate requests, the first one's prompt before the others (they get none of
+        the step's token budget while its prefill is unscheduled), and each later fork
+        finds the prompt's full blocks in the prefix cache: all of them but the last
+        token's, which vLLM always computes. On vLLM 0.32 CPU, blocks of 32 tokens
+        (`tests/test_e2e_forks.py`): n = 4 forks of an 863-token prompt, 120 output
+        tokens each, held 46 blocks (26 shared + 4 x 5), where 4 requests hold 124."""
+        size = self._fork_block_size
+        if not self.forks_share_prompt or size is None or sequences < 2 or prompts != 1:
+            return 0
+        return (sequences - 1) * self._fork_groups * (max(0, prompt_tokens - 1) // size)
 
     def cost(
         self,
@@ -157,13 +185,15 @@ class CostModel:
         shared_blocks: int = 0,
         cached_tokens: int = 0,
         ahead_tokens: int = 0,
+        prompts: int = 1,
     ) -> RequestCost:
         """`slowdown` (>= 1) stretches the times for the prefill work of others
         sharing the engine (see `load.PrefillLoad`). `shared_blocks` of the peak are
         held already by admitted requests with the same prefix; `cached_tokens` of
         the prompt are prefix-cache hits the server does not prefill again;
         `ahead_tokens` are admitted prompts' tokens the server prefills first (its
-        time to first token covers them, its own prefill work does not)."""
+        time to first token covers them, its own prefill work does not); `prompts` > 1:
+        a batch of prompts (see `peak_blocks`)."""
         total = prompt_tokens + output_tokens
         cached = max(0, min(cached_tokens, prompt_tokens - 1))
         inputs = ModelInputs(prompt_tokens - cached, cached, running, mean_context,
@@ -171,7 +201,7 @@ class CostModel:
                              max(0, ahead_tokens))
         prefill, tpot = self._model_s(inputs)
         own_prefill = self.prefill_s(prompt_tokens - cached, running, mean_context, cached)
-        peak = self.peak_blocks(prompt_tokens, output_tokens, sequences)
+        peak = self.peak_blocks(prompt_tokens, output_tokens, sequences, prompts=prompts)
         worst_output = max(output_tokens, self.max_model_len - prompt_tokens)
         shared = min(shared_blocks, peak)
         spread, bucket = self.spread, load_bucket(running)
@@ -183,7 +213,8 @@ class CostModel:
             output_tokens=output_tokens,
             sequences=sequences,
             kv_blocks=peak - shared,
-            worst_case_blocks=self.peak_blocks(prompt_tokens, worst_output, sequences) - shared,
+            worst_case_blocks=self.peak_blocks(prompt_tokens, worst_output, sequences,
+                                               prompts=prompts) - shared,
             prefill_flops=self._flops_per_token * (prompt_tokens - cached),
             prefill_s=prefill_p50,
             prefill_work_s=self._engine_work_s(own_prefill),
@@ -220,15 +251,16 @@ class CostModel:
                                               inputs.cached_tokens))
         return own_s, self.tpot_s(inputs.batch, inputs.context_tokens)
 
-    def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int) -> int:
+    def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int,
+                                 prompts: int = 1) -> int:
         """The largest max_tokens whose reservation fits in `blocks` and max_model_len."""
         high = self.max_model_len - prompt_tokens
-        if high <= 0 or self.peak_blocks(prompt_tokens, 1, sequences) > blocks:
+        if high <= 0 or self.peak_blocks(prompt_tokens, 1, sequences, prompts=prompts) > blocks:
             return 0
         low = 1
         while low < high:
             mid = (low + high + 1) // 2
-            if self.peak_blocks(prompt_tokens, mid, sequences) <= blocks:
+            if self.peak_blocks(prompt_tokens, mid, sequences, prompts=prompts) <= blocks:
                 low = mid
             else:
                 high = mid - 1

@@ -22,7 +22,8 @@ from sidecar.admission.prefix import PrefixPlan
 class AdmissionRequest:
     prompt_tokens: int
     max_tokens: int | None = None
-    sequences: int = 1  # n / best_of
+    sequences: int = 1  # n / best_of (times the prompts of a batch)
+    prompts: int = 1  # a batch of prompts (completions): its sequences share no prompt
     band: int = 1  # 0 is the most important
     tenant: str = "default"
     ttft_slo_s: float | None = None

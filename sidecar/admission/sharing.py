@@ -46,6 +46,10 @@ class PromptSharing:
         self._layout = layout
         self._configure()
 
+    @property
+    def enabled(self) -> bool:
+        return self._enabled
+
     def set_enabled(self, enabled: bool) -> None:
         """Whether the server shares prompt blocks (vLLM's --enable-prefix-caching)."""
         if enabled != self._enabled:

@@ -225,6 +225,7 @@ async def _generation(request: Incoming, services: Services) -> web.StreamRespon
         prompt_tokens=prompt_tokens,
         max_tokens=gen.max_tokens,
         sequences=gen.sequences * gen.prompts,
+        prompts=gen.prompts,
         band=steering.band,
         tenant=steering.tenant,
         ttft_slo_s=steering.ttft_slo_s,

@@ -321,7 +321,7 @@ class Services:
                     and root and Path(root).is_dir()):
                 self.prompts.load_from(root)
         if self.controller is not None:
-            self.controller.sharing.set_enabled(self._prefix_caching(after))
+            self.controller.set_prefix_caching(self._prefix_caching(after))
             self._update_prefix_source()
             self.controller.update_server(self._server_state(after))
         if self.calibrator is not None and self.served is not None:
