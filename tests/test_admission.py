@@ -114,10 +114,10 @@ def test_the_forks_of_one_prompt_hold_its_full_blocks_once() -> None:
         assert ctl.cost_model.peak_blocks(192, 100, 4) == 4 * 19 - 3 * 11
         assert ticket.finish() is True  # type: ignore[attr-defined]
         assert ctl.ledger.reserved_blocks == 0
-        # A batch of 2 prompts x 2 forks: its sequences are charged in full (which
-        # prompts they fork from is not known), 76 blocks: more than the cache gives.
+        # Forks that do not share (a batch of 2 prompts x 2 forks, a request that asks
+        # for its prompt's logprobs): charged in full, 76 blocks, more than the cache.
         with pytest.raises(Rejected) as batch:
-            await admit(ctl, prompt_tokens=200, max_tokens=100, sequences=4, prompts=2)
+            await admit(ctl, prompt_tokens=200, max_tokens=100, sequences=4, forks_share=False)
         assert batch.value.decision.outcome is Outcome.NEVER_FITS
         assert "76 KV blocks" in batch.value.decision.reason
         # Prefix caching off: nothing shared either.
@@ -1267,3 +1267,35 @@ def test_under_edf_a_tight_deadline_is_not_priced_behind_its_tenants_later_deadl
         assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.reservations == 0
     finally:
         loop.close()
+
+
+def test_forks_after_the_first_prefill_only_what_the_cache_does_not_hold() -> None:
+    model = CostModel(tiny_served(num_blocks=512))  # blocks of 16 tokens
+    model.forks_share_prompt = True
+    # 4 forks of 200 tokens: the first prefills 200, the others the 8 past 12 blocks.
+    assert model.cost(200, 10, 4).server_prefill_tokens == 200 + 3 * 8
+    assert model.cost(200, 10, 4, forks_share=False).server_prefill_tokens == 4 * 200
+    # 100 tokens cached on the server: every fork finds them.
+    assert model.cost(200, 10, 4, cached_tokens=100,
+                      forks_share=False).server_prefill_tokens == 4 * 100
+    assert model.cost(200, 10, 1).server_prefill_tokens == 200
+    model.forks_share_prompt = False
+    assert model.cost(200, 10, 4).server_prefill_tokens == 4 * 200
+
+
+def test_a_forked_reservation_is_released_once_when_prefix_caching_flips() -> None:
+    ctl = controller(num_blocks=64)
+
+    async def scenario() -> None:
+        shared = await admit(ctl, prompt_tokens=200, max_tokens=20, sequences=4)
+        ctl.set_prefix_caching(False)
+        unshared = await admit(ctl, prompt_tokens=40, max_tokens=20, sequences=2)
+        assert ctl.ledger.reserved_blocks == (shared.cost.kv_blocks  # type: ignore[attr-defined]
+                                              + unshared.cost.kv_blocks)  # type: ignore[attr-defined]
+        assert shared.finish() is True  # type: ignore[attr-defined]
+        ctl.set_prefix_caching(True)
+        assert unshared.finish() is True  # type: ignore[attr-defined]
+        assert shared.finish() is False  # type: ignore[attr-defined]
+        assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.reservations == 0
+
+    run(scenario())

@@ -18,7 +18,9 @@ pytestmark = [pytest.mark.vllm]
 
 SEATS = 2
 BURST = 6
-OUTPUT_TOKENS = 96
+# Long enough that a wave of streams lasts a second or more on any machine: the high-
+# priority request must reach kvgate while four wait, not race the first wave's end.
+OUTPUT_TOKENS = 600
 
 
 async def burst(url: str, model: str, queued: int) -> tuple[list[dict[str, Any]],
@@ -28,6 +30,12 @@ async def burst(url: str, model: str, queued: int) -> tuple[list[dict[str, Any]]
     another)."""
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:
+        # A fresh kvgate checks the first requests of a shape with the server's
+        # /tokenize: spent here, so that the burst's requests all arrive together.
+        for i in range(3):
+            warm = await stream_completion(session, url, 1, prompt=f"warm {i} {PROMPT}",
+                                           model=model)
+            assert warm["status"] == 200, warm
         normal = [asyncio.ensure_future(stream_completion(
             session, url, OUTPUT_TOKENS, prompt=f"{i} {PROMPT}", model=model))
             for i in range(BURST)]

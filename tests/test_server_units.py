@@ -14,6 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.server.client_headers import parse_priority, parse_steering, parse_tenant
+from sidecar.server.prefix_keys import forks_share
 from sidecar.server.requests import (
     BadRequest,
     estimate_tokens,
@@ -47,9 +48,31 @@ def test_completions_defaults_and_batches() -> None:
     unlimited = gen("/v1/completions", {"prompt": "hello", "max_tokens": None})
     assert unlimited.max_tokens is None
     batch = gen("/v1/completions", {"prompt": ["a", "b"], "best_of": 3, "n": 2})
-    assert batch.prompts == 2 and batch.sequences == 3
+    assert batch.prompts == 2 and batch.sequences == 2  # vLLM ignores best_of
     ids = gen("/v1/completions", {"prompt": [[1, 2, 3], [4, 5]]})
     assert ids.token_counts == (3, 2) and not ids.tokenize_payloads
+
+
+@pytest.mark.parametrize(("route", "body", "shares"), [
+    ("/v1/completions", {"prompt": "x", "n": 4}, True),
+    ("/v1/completions", {"prompt": ["x", "y"], "n": 2}, False),  # a batch: not tracked
+    ("/v1/completions", {"prompt": "x", "n": 4, "prompt_logprobs": 0}, False),
+    ("/v1/completions", {"prompt": "x", "n": 4, "echo": True, "logprobs": 1}, False),
+    ("/v1/completions", {"prompt": "x", "n": 4, "echo": True}, True),  # no logprobs
+    ("/v1/completions", {"prompt": "x", "skip_reading_prefix_cache": True}, False),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "echo": True}, False),  # top_logprobs defaults to 0
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "echo": True, "top_logprobs": None}, True),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x"},
+        {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, False),
+])
+def test_which_requests_share_their_prompt_blocks(route: str, body: dict[str, Any],
+                                                  shares: bool) -> None:
+    """As vLLM 0.32 reads its prefix cache: never for a request that returns its
+    prompt's logprobs (`SamplingParams.skip_reading_prefix_cache`)."""
+    assert forks_share(body, gen(route, body)) is shares
 
 
 def test_responses_and_anthropic_messages() -> None:
@@ -81,7 +104,7 @@ def test_responses_and_anthropic_messages() -> None:
         ("/v1/chat/completions", {"messages": [{"role": "user"}], "n": 1000}, "n"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}], "stream": "yes"}, "stream"),
         ("/v1/completions", {"prompt": 5}, "prompt"),
-        ("/v1/completions", {"prompt": "x", "n": 3, "best_of": 2}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "best_of": 0}, "best_of"),
         ("/v1/completions", {"prompt": ["x"] * 65}, "prompt"),
         ("/v1/responses", {"input": 3}, "input"),
         ("/v1/messages", {"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),

@@ -277,7 +277,7 @@ class AdmissionController:
     def set_prefix_caching(self, enabled: bool) -> None:
         """Whether the server shares prompt blocks (vLLM's --enable-prefix-caching):
         between requests with a common prefix, and between the sequences one request
-        forks (n / best_of)."""
+        forks (n)."""
         self.sharing.set_enabled(enabled)
         if self.cost_model.forks_share_prompt != enabled:
             self.cost_model.forks_share_prompt = enabled
@@ -408,7 +408,7 @@ class AdmissionController:
             request.prompt_tokens, output_tokens, request.sequences, running,
             self._mean_context(), self.prefill_load.slowdown(now, running),
             shared_blocks=shared, cached_tokens=plan.cached_tokens,
-            ahead_tokens=self._running.prefill_ahead_tokens(now), prompts=request.prompts,
+            ahead_tokens=self._running.prefill_ahead_tokens(now), forks_share=request.forks_share,
         )
 
     def _never_fits(self, request: AdmissionRequest, cost: RequestCost) -> Decision | None:
@@ -423,7 +423,7 @@ class AdmissionController:
         largest = min(
             max_len - request.prompt_tokens,
             self.cost_model.largest_output_that_fits(request.prompt_tokens, request.sequences,
-                                                     target, request.prompts),
+                                                     target, request.forks_share),
         )
         largest = max(0, largest)
         if too_long:
@@ -582,7 +582,7 @@ class AdmissionController:
             return None
         return Decision(
             Outcome.NEVER_FITS,
-            f"{request.sequences} sequences (n / best_of, prompts) are more than "
+            f"{request.sequences} sequences (n x prompts) are more than "
             f"{limits.describe(reason)} lets in at once: the server refuses the request "
             "however idle it is",
             None,
@@ -823,7 +823,7 @@ class AdmissionController:
         request = ticket.request
         peak = self.cost_model.peak_blocks(request.prompt_tokens, ticket.output_tokens + 1,
                                            request.sequences, ticket.output_tokens,
-                                           prompts=request.prompts)
+                                           forks_share=request.forks_share)
         blocks = self.sharing.own_blocks(peak, ticket.plan)
         if blocks > ticket.reservation.blocks:
             ticket.reservation.resize(blocks)
@@ -840,7 +840,7 @@ class AdmissionController:
         request = ticket.request
         peak = self.cost_model.peak_blocks(request.prompt_tokens, ticket.cost.output_tokens,
                                            request.sequences, ticket.output_tokens,
-                                           prompts=request.prompts)
+                                           forks_share=request.forks_share)
         blocks = self.sharing.own_blocks(peak, ticket.plan)
         if blocks < ticket.reservation.blocks:
             ticket.reservation.resize(blocks)
@@ -880,7 +880,7 @@ class AdmissionController:
         self.listener.decided(reported, shadow=True)
         if cost is None:
             cost = self.cost_model.cost(request.prompt_tokens, max(0, (request.max_tokens or 0)),
-                                        request.sequences, prompts=request.prompts)
+                                        request.sequences, forks_share=request.forks_share)
         ticket = self._start(request, cost, now, queue_wait_s=0.0,
                              predicted_ttft_s=cost.prefill_s, shadow_outcome=verdict,
                              plan=plan)
@@ -918,7 +918,7 @@ class AdmissionController:
                 blocks_now=max(0, self._blocks_now(ticket, progress) - shared),
                 blocks_final=max(0, self.cost_model.blocks_now(
                     request.prompt_tokens, max(1, expected), request.sequences,
-                    prompts=request.prompts) - shared),
+                    forks_share=request.forks_share) - shared),
                 blocks_reserved=ticket.reserved_blocks,
                 finish_in_s=finish_in,
             ))
@@ -939,7 +939,7 @@ class AdmissionController:
         once admitted: vLLM allocates a chunk's blocks when it schedules it)."""
         return self.cost_model.blocks_now(ticket.request.prompt_tokens, produced,
                                           ticket.request.sequences,
-                                          prompts=ticket.request.prompts)
+                                          forks_share=ticket.request.forks_share)
 
     @property
     def others_blocks(self) -> int:

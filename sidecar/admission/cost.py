@@ -70,7 +70,7 @@ class ModelInputs(NamedTuple):
 class RequestCost:
     prompt_tokens: int
     output_tokens: int  # reserved per sequence
-    sequences: int  # n (or best_of) sequences sharing the prompt
+    sequences: int  # n sequences forked from the prompt (times the prompts of a batch)
     kv_blocks: int  # reserved, all sequences
     worst_case_blocks: int  # if every sequence ran to max_model_len
     prefill_flops: float
@@ -88,6 +88,10 @@ class RequestCost:
     deadline_prefill_s: float = 0.0  # the prefill deadlines are judged on (p50 or p90)
     load_bucket: int = 0  # of the requests running at admission (model.latency)
     model_inputs: ModelInputs | None = None  # what the model's own times came from
+    # Prompt tokens the server prefills for all its sequences: the first fork's tokens
+    # not cached, and each later fork's not found in the cache (the prompt's full
+    # blocks, where forks share them).
+    server_prefill_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:
@@ -122,13 +126,14 @@ class CostModel:
         # Read on every decision: the served model's, looked up once.
         self.max_model_len: int = served.max_model_len
         # Whether the server shares a prompt's full blocks between the sequences one
-        # request forks (n / best_of): vLLM does with prefix caching on (the admission
-        # controller sets it from the server's setting). Counted only where every
-        # group keeps its prompt blocks for the request's whole life (full attention,
-        # MLA): with sliding windows or state groups each fork is charged in full.
+        # request forks (n): vLLM does with prefix caching on (the admission controller
+        # sets it from the server's setting). Counted only where every group keeps its
+        # prompt blocks for the request's whole life (full attention, MLA), and not
+        # with MTP drafting, whose cache hits leave out blocks at the end.
         self.forks_share_prompt = False
         layout = served.layout
-        shareable = all(group.spec.prefix_shareable for group in layout.groups)
+        shareable = (all(group.spec.prefix_shareable for group in layout.groups)
+                     and served.deployment.speculative_method != "mtp")
         self._fork_block_size = layout.prefix_block_size if shareable else None
         self._fork_groups = layout.prefix_groups
 
@@ -144,34 +149,45 @@ class CostModel:
         return sequences * self._blocks(tokens)
 
     def peak_blocks(self, prompt_tokens: int, output_tokens: int, sequences: int = 1,
-                    produced: int = 0, *, prompts: int = 1) -> int:
+                    produced: int = 0, *, forks_share: bool = True) -> int:
         """The most `sequences` sequences hold from `produced` output tokens to their
-        end (the reservation still needed; see `model.lifecycle`); `prompts` > 1: a
-        batch of prompts, whose sequences share no prompt block."""
+        end (the reservation still needed; see `model.lifecycle`); `forks_share`: see
+        `fork_shared_blocks`."""
         if prompt_tokens + output_tokens <= 0:
             return 0
         return (sequences * self.lifecycle.peak_blocks(prompt_tokens, output_tokens, produced)
-                - self.fork_shared_blocks(prompt_tokens, sequences, prompts))
+                - self.fork_shared_blocks(prompt_tokens, sequences, forks_share))
 
     def blocks_now(self, prompt_tokens: int, produced: int, sequences: int = 1, *,
-                   prompts: int = 1) -> int:
+                   forks_share: bool = True) -> int:
         """Blocks held now, `produced` output tokens into the request."""
         return (sequences * self.lifecycle.blocks_now(prompt_tokens, produced)
-                - self.fork_shared_blocks(prompt_tokens, sequences, prompts))
+                - self.fork_shared_blocks(prompt_tokens, sequences, forks_share))
 
-    def fork_shared_blocks(self, prompt_tokens: int, sequences: int, prompts: int = 1) -> int:
+    def fork_shared_blocks(self, prompt_tokens: int, sequences: int,
+                           forks_share: bool = True) -> int:
         """Blocks that the `sequences` forks of one prompt would each hold but hold
-        once, together (`forks_share_prompt`). vLLM schedules a request's forks as
-        separate requests, the first one's prompt before the others (they get none of
-        the step's token budget while its prefill is unscheduled), and each later fork
-        finds the prompt's full blocks in the prefix cache: all of them but the last
-        token's, which vLLM always computes. On vLLM 0.32 CPU, blocks of 32 tokens
-        (`tests/test_e2e_forks.py`): n = 4 forks of an 863-token prompt, 120 output
-        tokens each, held 46 blocks (26 shared + 4 x 5), where 4 requests hold 124."""
+        once, together (`forks_share_prompt`, and `forks_share` for this request: see
+        `AdmissionRequest`). vLLM schedules a request's forks as separate requests,
+        the first one's prompt before the others (with its default scheduler settings
+        they get none of the step's token budget while its prefill is unscheduled), and
+        each later fork finds the prompt's full blocks in the prefix cache: all of them
+        but the last token's, which vLLM always computes. On vLLM 0.32 CPU, blocks of
+        32 tokens (`tests/test_e2e_forks.py`): n = 4 forks of an 863-token prompt, 120
+        output tokens each, held 46 blocks (26 shared + 4 x 5), where 4 requests hold
+        124."""
+        hit = self._fork_hit_tokens(prompt_tokens, sequences, forks_share)
         size = self._fork_block_size
-        if not self.forks_share_prompt or size is None or sequences < 2 or prompts != 1:
+        if not hit or size is None:
             return 0
-        return (sequences - 1) * self._fork_groups * (max(0, prompt_tokens - 1) // size)
+        return (sequences - 1) * self._fork_groups * (hit // size)
+
+    def _fork_hit_tokens(self, prompt_tokens: int, sequences: int, forks_share: bool) -> int:
+        """The prompt tokens each fork after the first finds in the prefix cache."""
+        size = self._fork_block_size
+        if not (self.forks_share_prompt and forks_share) or size is None or sequences < 2:
+            return 0
+        return max(0, prompt_tokens - 1) // size * size
 
     def cost(
         self,
@@ -185,15 +201,15 @@ class CostModel:
         shared_blocks: int = 0,
         cached_tokens: int = 0,
         ahead_tokens: int = 0,
-        prompts: int = 1,
+        forks_share: bool = True,
     ) -> RequestCost:
         """`slowdown` (>= 1) stretches the times for the prefill work of others
         sharing the engine (see `load.PrefillLoad`). `shared_blocks` of the peak are
         held already by admitted requests with the same prefix; `cached_tokens` of
         the prompt are prefix-cache hits the server does not prefill again;
         `ahead_tokens` are admitted prompts' tokens the server prefills first (its
-        time to first token covers them, its own prefill work does not); `prompts` > 1:
-        a batch of prompts (see `peak_blocks`)."""
+        time to first token covers them, its own prefill work does not); `forks_share`:
+        see `fork_shared_blocks`."""
         total = prompt_tokens + output_tokens
         cached = max(0, min(cached_tokens, prompt_tokens - 1))
         inputs = ModelInputs(prompt_tokens - cached, cached, running, mean_context,
@@ -201,10 +217,12 @@ class CostModel:
                              max(0, ahead_tokens))
         prefill, tpot = self._model_s(inputs)
         own_prefill = self.prefill_s(prompt_tokens - cached, running, mean_context, cached)
-        peak = self.peak_blocks(prompt_tokens, output_tokens, sequences, prompts=prompts)
+        peak = self.peak_blocks(prompt_tokens, output_tokens, sequences, forks_share=forks_share)
         worst_output = max(output_tokens, self.max_model_len - prompt_tokens)
         shared = min(shared_blocks, peak)
         spread, bucket = self.spread, load_bucket(running)
+        fork_hit = self._fork_hit_tokens(prompt_tokens, sequences, forks_share)
+        later_forks = (sequences - 1) * (prompt_tokens - max(cached, fork_hit))
         prefill_model, tpot_model = prefill * slowdown, tpot * slowdown
         prefill_p50 = prefill_model * spread.ttft_p50[bucket]
         prefill_p90 = prefill_model * spread.ttft_p90[bucket]
@@ -214,7 +232,7 @@ class CostModel:
             sequences=sequences,
             kv_blocks=peak - shared,
             worst_case_blocks=self.peak_blocks(prompt_tokens, worst_output, sequences,
-                                               prompts=prompts) - shared,
+                                               forks_share=forks_share) - shared,
             prefill_flops=self._flops_per_token * (prompt_tokens - cached),
             prefill_s=prefill_p50,
             prefill_work_s=self._engine_work_s(own_prefill),
@@ -228,6 +246,7 @@ class CostModel:
             deadline_prefill_s=prefill_p90 if self.deadline_quantile == "p90" else prefill_p50,
             load_bucket=bucket,
             model_inputs=inputs,
+            server_prefill_tokens=prompt_tokens - cached + later_forks,
         )
 
     def model_s(self, quantity: str, inputs: ModelInputs) -> float:
@@ -252,15 +271,16 @@ class CostModel:
         return own_s, self.tpot_s(inputs.batch, inputs.context_tokens)
 
     def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int,
-                                 prompts: int = 1) -> int:
+                                 forks_share: bool = True) -> int:
         """The largest max_tokens whose reservation fits in `blocks` and max_model_len."""
         high = self.max_model_len - prompt_tokens
-        if high <= 0 or self.peak_blocks(prompt_tokens, 1, sequences, prompts=prompts) > blocks:
+        if high <= 0 or self.peak_blocks(prompt_tokens, 1, sequences,
+                                         forks_share=forks_share) > blocks:
             return 0
         low = 1
         while low < high:
             mid = (low + high + 1) // 2
-            if self.peak_blocks(prompt_tokens, mid, sequences, prompts=prompts) <= blocks:
+            if self.peak_blocks(prompt_tokens, mid, sequences, forks_share=forks_share) <= blocks:
                 low = mid
             else:
                 high = mid - 1

@@ -186,10 +186,10 @@ class KVRoom:
             held = ticket.reservation.blocks + len(ticket.reservation.keys) * per_key
         elif not self._recycles:
             held = model.blocks_now(request.prompt_tokens, ahead, request.sequences,
-                                    prompts=request.prompts)
+                                    forks_share=request.forks_share)
         else:
             held = max(model.blocks_now(request.prompt_tokens, produced, request.sequences,
-                                        prompts=request.prompts)
+                                        forks_share=request.forks_share)
                        for produced in range(seen, ahead + 1))
         own_now = max(0, held - len(ticket.reservation.keys) * per_key)
         offset, per_token = model.lifecycle.growth_bound(request.prompt_tokens + ahead)
@@ -244,7 +244,7 @@ class KVRoom:
                 produced = min(ticket.cost.output_tokens,
                                max(0, int((now - ticket.admitted_s) / tpot_s)))
             tracked += max(0, self.cost_model.blocks_now(
-                request.prompt_tokens, produced, request.sequences, prompts=request.prompts)
+                request.prompt_tokens, produced, request.sequences, forks_share=request.forks_share)
                 - len(ticket.reservation.keys) * per_key)
         self.untracked_blocks = max(0, used_blocks - tracked)
 
@@ -260,9 +260,9 @@ class KVRoom:
         keys = len(plan.keys) * per_key
         sequences = request.sequences
         own_prefill = max(0, model.blocks_now(request.prompt_tokens, 0, sequences,
-                                              prompts=request.prompts) - keys)
+                                              forks_share=request.forks_share) - keys)
         own_peak = max(0, model.peak_blocks(request.prompt_tokens, cost.output_tokens,
-                                            sequences, prompts=request.prompts) - keys)
+                                            sequences, forks_share=request.forks_share) - keys)
         brought = (len(plan.keys) - plan.shared) * per_key
         offset, per_token = model.lifecycle.growth_bound(request.prompt_tokens)
         steps = prefill_steps + self.prefill_steps(request.prompt_tokens, plan.cached_tokens)

@@ -22,8 +22,11 @@ from sidecar.admission.prefix import PrefixPlan
 class AdmissionRequest:
     prompt_tokens: int
     max_tokens: int | None = None
-    sequences: int = 1  # n / best_of (times the prompts of a batch)
-    prompts: int = 1  # a batch of prompts (completions): its sequences share no prompt
+    sequences: int = 1  # n (times the prompts of a batch)
+    # Whether vLLM shares the prompt's full blocks between its forks (n > 1), with
+    # prefix caching on: not counted for a batch of prompts, a request with media or
+    # one that does not read the prefix cache (`server.prefix_keys.forks_share`).
+    forks_share: bool = True
     band: int = 1  # 0 is the most important
     tenant: str = "default"
     ttft_slo_s: float | None = None
@@ -165,8 +168,7 @@ class RunningSet:
             expected_s = cost.prefill_s
             left = 1.0 if expected_s <= 0 else 1.0 - (now - ticket.admitted_s) / expected_s
             if left > 0:
-                tokens = (cost.prompt_tokens - cost.cached_tokens) * cost.sequences
-                ahead += tokens * min(1.0, left)
+                ahead += cost.server_prefill_tokens * min(1.0, left)
             else:
                 over.append(key)
         for key in over:

@@ -5,7 +5,11 @@ the key: the LoRA adapter, a `cache_salt` and multimodal inputs. kvgate keys the
 blocks itself (`AdmissionController.prompt_keys`) where it knows what vLLM adds:
 - a `cache_salt` salts the chain, so only requests with the same salt share;
 - a request for another model name than the served one (a LoRA adapter) or with
-  image, audio or video parts shares nothing, as far as kvgate assumes.
+  image, audio or video parts shares nothing, as far as kvgate assumes;
+- a request that asks for its prompt's logprobs does not read the cache at all.
+
+`forks_share` says whether the forks of one request (n > 1) share its prompt's blocks
+among themselves (`CostModel.fork_shared_blocks`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ def prompt_keys(
     token_ids: tuple[int, ...] | None,
     served_model: str | None = None,
 ) -> tuple[bytes, ...]:
-    if token_ids is None or gen.prompts != 1 or _has_media(body):
+    if token_ids is None or not forks_share(body, gen):
         return ()
     if served_model is not None and gen.model not in (None, served_model):
         return ()  # a LoRA adapter: vLLM adds it to every block's key
@@ -35,6 +39,32 @@ def prompt_keys(
     if salt is not None and not isinstance(salt, str):
         return ()
     return controller.prompt_keys(token_ids, b"cache_salt:" + salt.encode() if salt else b"")
+
+
+def forks_share(body: Mapping[str, Any], gen: GenerationRequest) -> bool:
+    """Whether kvgate counts the prompt's blocks as shared: between the request's forks,
+    and (with its keys) with other requests. Not for a batch of prompts (which prompt
+    each sequence forks from is not tracked), media (an encoder budget can cut the
+    first fork's prefill short of them) or a request that does not read the prefix
+    cache."""
+    return gen.prompts == 1 and not _has_media(body) and reads_prefix_cache(body, gen.route)
+
+
+def reads_prefix_cache(body: Mapping[str, Any], route: str) -> bool:
+    """Whether vLLM looks the prompt up in its prefix cache. Not when it returns the
+    prompt's logprobs (vLLM 0.32 `SamplingParams`: `skip_reading_prefix_cache`):
+    `prompt_logprobs`, or `echo` with `logprobs` (completions) or `top_logprobs`
+    (chat, where it defaults to 0)."""
+    if body.get("skip_reading_prefix_cache") is True:
+        return False
+    if body.get("prompt_logprobs") is not None:
+        return False
+    if body.get("echo") is True:
+        if route == "completions" and body.get("logprobs") is not None:
+            return False
+        if route == "chat" and body.get("top_logprobs", 0) is not None:
+            return False
+    return True
 
 
 def _has_media(body: Mapping[str, Any]) -> bool:

@@ -28,7 +28,7 @@ from sidecar.server.client_headers import PRIORITY, TENANT, TTFT_SLO, parse_stee
 from sidecar.server.errors import error_response, rejection_response
 from sidecar.server.keys import SERVICES
 from sidecar.server.lean import LeanRequest
-from sidecar.server.prefix_keys import prompt_keys
+from sidecar.server.prefix_keys import forks_share, prompt_keys
 from sidecar.server.requests import (
     BadRequest,
     GenerationRequest,
@@ -225,7 +225,7 @@ async def _generation(request: Incoming, services: Services) -> web.StreamRespon
         prompt_tokens=prompt_tokens,
         max_tokens=gen.max_tokens,
         sequences=gen.sequences * gen.prompts,
-        prompts=gen.prompts,
+        forks_share=forks_share(body, gen),
         band=steering.band,
         tenant=steering.tenant,
         ttft_slo_s=steering.ttft_slo_s,

@@ -3,7 +3,7 @@
 Each OpenAI-compatible route vLLM serves spells the same things differently; this
 module reads, for each, what admission needs: the prompt (as a /tokenize payload,
 and as text for the fallback estimate), the output reservation (`max_tokens` and
-friends), how many sequences will be generated (`n`, `best_of`), streaming, and the
+friends), how many sequences will be generated (`n`), streaming, and the
 `user`. Bad input raises `BadRequest` naming the field; unknown fields are left for
 the server.
 """
@@ -162,10 +162,10 @@ def parse_generation(route: str, body: Mapping[str, Any]) -> GenerationRequest:
 
 
 def _sequences(body: Mapping[str, Any]) -> int:
+    """The sequences vLLM runs for the request: `n`. vLLM 0.32 ignores `best_of` (its
+    completions and chat requests have no such field; it generates `n` sequences)."""
     n = _positive_int(body, "n", limit=MAX_SEQUENCES) or 1
-    best_of = _positive_int(body, "best_of", limit=MAX_SEQUENCES)
-    if best_of is not None and best_of < n:
-        raise BadRequest(f"'best_of' ({best_of}) must be >= 'n' ({n})", "best_of")
+    _positive_int(body, "best_of", limit=MAX_SEQUENCES)  # still checked: clients mean it
     temperature = body.get("temperature")
     if temperature is not None and (not isinstance(temperature, int | float)
                                     or isinstance(temperature, bool)
@@ -174,7 +174,7 @@ def _sequences(body: Mapping[str, Any]) -> int:
     if n > 1 and temperature is not None and temperature < GREEDY_TEMPERATURE:
         # vLLM refuses it too ("n must be 1 when using greedy sampling").
         raise BadRequest(f"'n' must be 1 with greedy sampling (temperature 0), got {n}", "n")
-    return max(n, best_of or 1)
+    return n
 
 
 def _chat(body: Mapping[str, Any], model: str | None, user: str | None,
