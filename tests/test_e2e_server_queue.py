@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.vllm]
 MAX_REQS = 6
 MAX_TOKENS = 250  # prompt tokens in prefill: two ~100-token prompts, not three
 BURST = 14
-OUTPUT_TOKENS = 40
+OUTPUT_TOKENS = 200  # streams long enough that kvgate reaches the request limit
 LIMITS = ("--max-num-queued-reqs", str(MAX_REQS), "--max-num-queued-tokens", str(MAX_TOKENS))
 RESULTS = Path(__file__).resolve().parent.parent / "bench" / "results"
 

@@ -29,9 +29,13 @@ def prompt_keys(
     body: Mapping[str, Any],
     gen: GenerationRequest,
     token_ids: tuple[int, ...] | None,
-    served_model: str | None = None,
+    served_model: str | None,
+    *,
+    shares: bool,
 ) -> tuple[bytes, ...]:
-    if token_ids is None or not forks_share(body, gen):
+    """The keys of the prompt's full blocks, or () where kvgate counts no sharing
+    (`shares`: `forks_share(body, gen)`)."""
+    if token_ids is None or not shares:
         return ()
     if served_model is not None and gen.model not in (None, served_model):
         return ()  # a LoRA adapter: vLLM adds it to every block's key

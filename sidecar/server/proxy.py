@@ -219,13 +219,15 @@ async def _generation(request: Incoming, services: Services) -> web.StreamRespon
     prompt_tokens, token_ids = await services.prompts.count(gen, services.client,
                                                             access_log.REQUEST_ID.get())
     services.refresh()
+    shares = forks_share(body, gen)
     admission = AdmissionRequest(
         block_keys=prompt_keys(controller, body, gen, token_ids,
-                               services.learned.model_id if services.learned else None),
+                               services.learned.model_id if services.learned else None,
+                               shares=shares),
         prompt_tokens=prompt_tokens,
         max_tokens=gen.max_tokens,
         sequences=gen.sequences * gen.prompts,
-        forks_share=forks_share(body, gen),
+        forks_share=shares,
         band=steering.band,
         tenant=steering.tenant,
         ttft_slo_s=steering.ttft_slo_s,
