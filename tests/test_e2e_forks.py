@@ -21,10 +21,12 @@ from support.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm]
 
-BLOCK_TOKENS = 32  # the small_kv_vllm server: 64 blocks of 32 tokens
+# The small_kv_vllm server (tests/conftest.py's SMALL_KV): 64 blocks of 32 tokens.
+SERVER_BLOCKS = 64
+BLOCK_TOKENS = 32
 FORKS = 4
 OUTPUT_TOKENS = 120
-# ~850 tokens with the nonce: 26 full blocks, whose 4 copies (124 blocks with the forks'
+# ~860 tokens with the nonce: 26 full blocks, whose 4 copies (124 blocks with the forks'
 # own) are twice the cache; held once they leave each fork 5 blocks of its own.
 PROMPT = "Pack my box with five dozen liquor jugs, said the wizard. " * 25
 
@@ -35,18 +37,24 @@ class ServerUse:
     def __init__(self, server: VllmServer) -> None:
         self.server = server
         self.peak = 0
+        self.error: BaseException | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, daemon=True)
 
     def _poll(self) -> None:
-        connection = http.client.HTTPConnection(urlsplit(self.server.url).netloc, timeout=5)
-        with contextlib.closing(connection):
-            while not self._stop.is_set():
-                connection.request("GET", "/metrics")
-                text = connection.getresponse().read().decode()
-                # vLLM's usage is over its blocks but the one it keeps back.
-                used = metric_value(text, "vllm:kv_cache_usage_perc") * 63
-                self.peak = max(self.peak, round(used))
+        # vLLM's usage is over its blocks but the one it keeps back.
+        blocks = SERVER_BLOCKS - 1
+        try:
+            connection = http.client.HTTPConnection(urlsplit(self.server.url).netloc,
+                                                    timeout=5)
+            with contextlib.closing(connection):
+                while not self._stop.is_set():
+                    connection.request("GET", "/metrics")
+                    text = connection.getresponse().read().decode()
+                    used = metric_value(text, "vllm:kv_cache_usage_perc") * blocks
+                    self.peak = max(self.peak, round(used))
+        except BaseException as exc:  # told to the test, not lost with the thread
+            self.error = exc
 
     def __enter__(self) -> ServerUse:
         self._thread.start()
@@ -55,6 +63,8 @@ class ServerUse:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+        if self.error is not None:
+            raise AssertionError(f"polling vLLM's /metrics failed: {self.error!r}")
 
 
 def preemptions(server: VllmServer) -> float:
@@ -93,6 +103,13 @@ async def test_forks_of_one_prompt_are_reserved_as_vllm_holds_them(
                 assert all(c["finish_reason"] == "length" for c in payload["choices"])
                 reserved = int(payload["headers"]["x-kvgate-kv-blocks"])
                 prompt_tokens = int(payload["headers"]["x-kvgate-prompt-tokens"])
+                # The premise: charged as four separate requests, the forks would never
+                # fit.
+                per_fork = math.ceil((prompt_tokens + OUTPUT_TOKENS - 1) / BLOCK_TOKENS)
+                assert FORKS * per_fork > target, (per_fork, target)
+                assert prompt_tokens + OUTPUT_TOKENS <= 1024, prompt_tokens  # not clamped
+                shared = (prompt_tokens - 1) // BLOCK_TOKENS
+                assert reserved == FORKS * per_fork - (FORKS - 1) * shared
                 # kvgate reserved enough for what vLLM held, every time.
                 assert peak <= reserved, (peak, reserved)
                 peaks.append((peak, reserved))
@@ -101,12 +118,6 @@ async def test_forks_of_one_prompt_are_reserved_as_vllm_holds_them(
         sidecar.wait_idle()
         assert released(sidecar)
 
-    # The premise: charged as four separate requests, the forks would never fit.
-    per_fork = math.ceil((prompt_tokens + OUTPUT_TOKENS - 1) / BLOCK_TOKENS)
-    assert FORKS * per_fork > target, (per_fork, target)
-    assert prompt_tokens + OUTPUT_TOKENS <= 1024, prompt_tokens  # not clamped
-    shared = (prompt_tokens - 1) // BLOCK_TOKENS
-    assert reserved == FORKS * per_fork - (FORKS - 1) * shared
     # And no more than a block a fork over what vLLM held (its gauge may miss the last
     # step's blocks).
     assert peak >= reserved - FORKS, peaks
@@ -115,8 +126,9 @@ async def test_forks_of_one_prompt_are_reserved_as_vllm_holds_them(
 
 async def test_forks_that_do_not_read_the_prefix_cache_are_reserved_in_full(
         small_kv_vllm: VllmServer) -> None:
-    # Asking for the prompt's logprobs, vLLM computes the whole prompt for every fork
-    # (it skips reading its prefix cache): four whole copies, more than kvgate admits.
+    # Asking for the prompt's logprobs, vLLM 0.32 computes the whole prompt for every
+    # fork (`SamplingParams.skip_reading_prefix_cache`): kvgate charges four whole
+    # copies, more than it admits.
     body = {"model": "tiny-llama", "prompt": PROMPT, "max_tokens": OUTPUT_TOKENS,
             "n": FORKS, "temperature": 1.0, "prompt_logprobs": 0}
     with Sidecar(small_kv_vllm.url) as sidecar:

@@ -96,8 +96,7 @@ async def burst(url: str, watch: Sidecar | None = None) -> tuple[list[dict[str, 
             queue = state["admission"]["server_queue"]
             peak = max(peak, queue["requests"])
             assert queue["requests"] <= MAX_REQS, queue
-            # Often: a wave of streams lasts a few tenths of a second.
-            await asyncio.sleep(0.005)
+            await asyncio.sleep(0.02)
 
     timeout = aiohttp.ClientTimeout(total=300)
     async with aiohttp.ClientSession(timeout=timeout) as session:

@@ -203,15 +203,13 @@ def test_forks_share_their_prompt_only_where_every_group_keeps_it() -> None:
     # DSA: the MLA cache and the indexer's keys, one group of 64-token blocks that
     # keeps its prompt blocks.
     plain = CostModel(served("deepseek-ai__DeepSeek-V3.2-Exp", "B200"))
-    plain.forks_share_prompt = True
     assert plain.served.layout.prefix_groups == 1
     assert plain.served.layout.prefix_block_size == 64
-    assert plain.fork_shared_blocks(1000, 3) == 2 * (999 // 64)
-    assert plain.peak_blocks(1000, 50, 3) == (3 * plain.peak_blocks(1000, 50)
-                                              - plain.fork_shared_blocks(1000, 3))
+    assert plain.fork_shared_blocks(1000, 3, forks_share=True) == 2 * (999 // 64)
+    assert plain.peak_blocks(1000, 50, 3, forks_share=True) == (
+        3 * plain.peak_blocks(1000, 50) - 2 * (999 // 64))
     # A hybrid (Qwen3-Next: linear-attention state groups), with or without its MTP
     # drafter: nothing is counted.
     for deployment in ({}, {"num_speculative_tokens": 2, "speculative_method": "mtp"}):
         hybrid = CostModel(served("Qwen__Qwen3-Next-80B-A3B-Instruct", tp=2, **deployment))
-        hybrid.forks_share_prompt = True
-        assert hybrid.fork_shared_blocks(1000, 3) == 0
+        assert hybrid.fork_shared_blocks(1000, 3, forks_share=True) == 0

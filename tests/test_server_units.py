@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from sidecar.server.client_headers import parse_priority, parse_steering, parse_tenant
-from sidecar.server.prefix_keys import forks_share
+from sidecar.server.prefix_keys import shares_prompt_blocks
 from sidecar.server.requests import (
     BadRequest,
     estimate_tokens,
@@ -59,11 +59,14 @@ def test_completions_defaults_and_batches() -> None:
     ("/v1/completions", {"prompt": "x", "n": 4, "prompt_logprobs": 0}, False),
     ("/v1/completions", {"prompt": "x", "n": 4, "echo": True, "logprobs": 1}, False),
     ("/v1/completions", {"prompt": "x", "n": 4, "echo": True}, True),  # no logprobs
-    ("/v1/completions", {"prompt": "x", "skip_reading_prefix_cache": True}, False),
+    ("/v1/completions", {"prompt": "x", "n": 4, "echo": "true", "logprobs": 0}, False),
+    ("/v1/completions", {"prompt": "x", "n": 4, "echo": False, "logprobs": 1}, True),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                               "echo": True}, False),  # top_logprobs defaults to 0
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
-                              "echo": True, "top_logprobs": None}, True),
+                              "echo": True, "top_logprobs": None}, False),  # null: 0
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "n": 2, "logprobs": True, "top_logprobs": 3}, True),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
         {"type": "text", "text": "x"},
         {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, False),
@@ -72,7 +75,7 @@ def test_which_requests_share_their_prompt_blocks(route: str, body: dict[str, An
                                                   shares: bool) -> None:
     """As vLLM 0.32 reads its prefix cache: never for a request that returns its
     prompt's logprobs (`SamplingParams.skip_reading_prefix_cache`)."""
-    assert forks_share(body, gen(route, body)) is shares
+    assert shares_prompt_blocks(body, gen(route, body)) is shares
 
 
 def test_responses_and_anthropic_messages() -> None:
@@ -104,7 +107,6 @@ def test_responses_and_anthropic_messages() -> None:
         ("/v1/chat/completions", {"messages": [{"role": "user"}], "n": 1000}, "n"),
         ("/v1/chat/completions", {"messages": [{"role": "user"}], "stream": "yes"}, "stream"),
         ("/v1/completions", {"prompt": 5}, "prompt"),
-        ("/v1/completions", {"prompt": "x", "best_of": 0}, "best_of"),
         ("/v1/completions", {"prompt": ["x"] * 65}, "prompt"),
         ("/v1/responses", {"input": 3}, "input"),
         ("/v1/messages", {"messages": [{"role": "user", "content": "x"}]}, "max_tokens"),

@@ -202,7 +202,6 @@ class AdmissionController:
         self._draining = False
         self._drain_deadline_s: float | None = None
         self.sharing = PromptSharing(self.ledger, cost_model.served.layout)
-        cost_model.forks_share_prompt = self.sharing.enabled
         self.room = KVRoom(self.ledger, cost_model)
         self._room_cache: tuple[int, float, RunningHoldings] | None = None
         # The last walk of the queue (`_queue_ahead`): what it was computed from.
@@ -266,7 +265,6 @@ class AdmissionController:
         after = cost_model.prefill_work_s(_LOAD_REFERENCE_TOKENS)
         if before > 0 and after > 0:
             self.prefill_load.rescale(after / before)
-        cost_model.forks_share_prompt = self.sharing.enabled
         self.cost_model = cost_model
         capacity = cost_model.served.capacity
         self._model_capacity = capacity.usable_blocks if capacity else None
@@ -277,11 +275,8 @@ class AdmissionController:
     def set_prefix_caching(self, enabled: bool) -> None:
         """Whether the server shares prompt blocks (vLLM's --enable-prefix-caching):
         between requests with a common prefix, and between the sequences one request
-        forks (n)."""
+        forks (n), for the requests that arrive from now on."""
         self.sharing.set_enabled(enabled)
-        if self.cost_model.forks_share_prompt != enabled:
-            self.cost_model.forks_share_prompt = enabled
-            self._room_cache = None
 
     def drain(self, timeout_s: float) -> None:
         """Stop admitting: new requests and waiting ones are refused."""
@@ -299,6 +294,9 @@ class AdmissionController:
 
     async def admit(self, request: AdmissionRequest) -> Ticket:
         now = self.clock()
+        if request.forks_share and not self.sharing.enabled:
+            # Decided once: the reservation and its re-pricing as it runs keep to it.
+            request = replace(request, forks_share=False)
         # What it shares, looked up once: nothing changes until it starts or waits.
         plan = self._plan(request)
         cost, decision = self._decide_at_arrival(request, now, plan)
@@ -423,7 +421,7 @@ class AdmissionController:
         largest = min(
             max_len - request.prompt_tokens,
             self.cost_model.largest_output_that_fits(request.prompt_tokens, request.sequences,
-                                                     target, request.forks_share),
+                                                     target, forks_share=request.forks_share),
         )
         largest = max(0, largest)
         if too_long:
@@ -433,10 +431,13 @@ class AdmissionController:
             clamped = (f" (max_tokens {request.max_tokens} clamped to the context left, as "
                        "vLLM clamps it)" if request.max_tokens is not None
                        and request.max_tokens > cost.output_tokens else "")
+            once = (" (the prompt's full blocks held once)" if self.cost_model.fork_shared_blocks(
+                request.prompt_tokens, request.sequences, forks_share=request.forks_share)
+                else "")
             what = (f"{request.sequences} x ({request.prompt_tokens} prompt + "
                     f"{cost.output_tokens} output) tokens{clamped} need "
-                    f"{cost.kv_blocks + cost.shared_blocks} KV blocks at their peak, more than "
-                    f"the {target} blocks the whole cache can give one request")
+                    f"{cost.kv_blocks + cost.shared_blocks} KV blocks at their peak{once}, "
+                    f"more than the {target} blocks the whole cache can give one request")
         hint = (f"; the largest max_tokens that fits is {largest}" if largest > 0 else
                 "; the prompt alone does not fit")
         return Decision(

@@ -1,7 +1,7 @@
 """What one request will cost the server: KV blocks exactly as vLLM allocates them
 over the request's life (its peak, less the prompt blocks it shares with requests
-already admitted), prefill FLOPs and time (prefix-cache hits skipped), decode time
-per token.
+already admitted, and with `n` forks the prompt's full blocks held once), prefill FLOPs
+and time (prefix-cache hits skipped), decode time per token.
 
 `CostModel` wraps the analytical model (`ServedModel`) and memoises the few
 functions the hot path calls, bucketing continuous inputs so that a decision costs
@@ -125,12 +125,10 @@ class CostModel:
         self._flops_per_token = 2.0 * served.arch.params_active()
         # Read on every decision: the served model's, looked up once.
         self.max_model_len: int = served.max_model_len
-        # Whether the server shares a prompt's full blocks between the sequences one
-        # request forks (n): vLLM does with prefix caching on (the admission controller
-        # sets it from the server's setting). Counted only where every group keeps its
+        # The prompt blocks the sequences one request forks (n) share, with prefix
+        # caching on (`fork_shared_blocks`): counted only where every group keeps its
         # prompt blocks for the request's whole life (full attention, MLA), and not
         # with MTP drafting, whose cache hits leave out blocks at the end.
-        self.forks_share_prompt = False
         layout = served.layout
         shareable = (all(group.spec.prefix_shareable for group in layout.groups)
                      and served.deployment.speculative_method != "mtp")
@@ -149,43 +147,42 @@ class CostModel:
         return sequences * self._blocks(tokens)
 
     def peak_blocks(self, prompt_tokens: int, output_tokens: int, sequences: int = 1,
-                    produced: int = 0, *, forks_share: bool = True) -> int:
+                    produced: int = 0, *, forks_share: bool = False) -> int:
         """The most `sequences` sequences hold from `produced` output tokens to their
         end (the reservation still needed; see `model.lifecycle`); `forks_share`: see
         `fork_shared_blocks`."""
         if prompt_tokens + output_tokens <= 0:
             return 0
         return (sequences * self.lifecycle.peak_blocks(prompt_tokens, output_tokens, produced)
-                - self.fork_shared_blocks(prompt_tokens, sequences, forks_share))
+                - self.fork_shared_blocks(prompt_tokens, sequences, forks_share=forks_share))
 
     def blocks_now(self, prompt_tokens: int, produced: int, sequences: int = 1, *,
-                   forks_share: bool = True) -> int:
+                   forks_share: bool = False) -> int:
         """Blocks held now, `produced` output tokens into the request."""
         return (sequences * self.lifecycle.blocks_now(prompt_tokens, produced)
-                - self.fork_shared_blocks(prompt_tokens, sequences, forks_share))
+                - self.fork_shared_blocks(prompt_tokens, sequences, forks_share=forks_share))
 
-    def fork_shared_blocks(self, prompt_tokens: int, sequences: int,
-                           forks_share: bool = True) -> int:
+    def fork_shared_blocks(self, prompt_tokens: int, sequences: int, *,
+                           forks_share: bool) -> int:
         """Blocks that the `sequences` forks of one prompt would each hold but hold
-        once, together (`forks_share_prompt`, and `forks_share` for this request: see
-        `AdmissionRequest`). vLLM schedules a request's forks as separate requests,
-        the first one's prompt before the others (with its default scheduler settings
-        they get none of the step's token budget while its prefill is unscheduled), and
-        each later fork finds the prompt's full blocks in the prefix cache: all of them
-        but the last token's, which vLLM always computes. On vLLM 0.32 CPU, blocks of
-        32 tokens (`tests/test_e2e_forks.py`): n = 4 forks of an 863-token prompt, 120
-        output tokens each, held 46 blocks (26 shared + 4 x 5), where 4 requests hold
-        124."""
-        hit = self._fork_hit_tokens(prompt_tokens, sequences, forks_share)
+        once, together, when the request's forks share (`forks_share`: prefix caching
+        on and a request that shares, see `AdmissionRequest`). vLLM runs a request's
+        forks as separate requests, and caches a block's key when it allocates the
+        block (`allocate_slots` -> `cache_blocks`), before the step computes it. The
+        first fork's prompt is scheduled before the others (with the default scheduler
+        settings a later fork gets token budget only once it is), so each later fork
+        finds the prompt's full blocks cached: all but the last token's, which vLLM
+        always computes. On vLLM 0.32 CPU, blocks of 32 tokens
+        (`tests/test_e2e_forks.py`): n = 4 forks of an 863-token prompt, 120 output
+        tokens each, held 46 blocks (26 shared + 4 x 5), where 4 requests hold 124."""
         size = self._fork_block_size
-        if not hit or size is None:
-            return 0
-        return (sequences - 1) * self._fork_groups * (hit // size)
+        hit = self._fork_hit_tokens(prompt_tokens, sequences, forks_share)
+        return (sequences - 1) * self._fork_groups * (hit // size) if size else 0
 
     def _fork_hit_tokens(self, prompt_tokens: int, sequences: int, forks_share: bool) -> int:
         """The prompt tokens each fork after the first finds in the prefix cache."""
         size = self._fork_block_size
-        if not (self.forks_share_prompt and forks_share) or size is None or sequences < 2:
+        if not forks_share or size is None or sequences < 2:
             return 0
         return max(0, prompt_tokens - 1) // size * size
 
@@ -201,7 +198,7 @@ class CostModel:
         shared_blocks: int = 0,
         cached_tokens: int = 0,
         ahead_tokens: int = 0,
-        forks_share: bool = True,
+        forks_share: bool = False,
     ) -> RequestCost:
         """`slowdown` (>= 1) stretches the times for the prefill work of others
         sharing the engine (see `load.PrefillLoad`). `shared_blocks` of the peak are
@@ -270,8 +267,8 @@ class CostModel:
                                               inputs.cached_tokens))
         return own_s, self.tpot_s(inputs.batch, inputs.context_tokens)
 
-    def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int,
-                                 forks_share: bool = True) -> int:
+    def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int, *,
+                                 forks_share: bool = False) -> int:
         """The largest max_tokens whose reservation fits in `blocks` and max_model_len."""
         high = self.max_model_len - prompt_tokens
         if high <= 0 or self.peak_blocks(prompt_tokens, 1, sequences,

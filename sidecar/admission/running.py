@@ -23,10 +23,11 @@ class AdmissionRequest:
     prompt_tokens: int
     max_tokens: int | None = None
     sequences: int = 1  # n (times the prompts of a batch)
-    # Whether vLLM shares the prompt's full blocks between its forks (n > 1), with
-    # prefix caching on: not counted for a batch of prompts, a request with media or
-    # one that does not read the prefix cache (`server.prefix_keys.forks_share`).
-    forks_share: bool = True
+    # Whether vLLM would share the prompt's full blocks between its forks (n > 1) with
+    # prefix caching on: not for a batch of prompts, a request with media or one that
+    # does not read the prefix cache (`server.prefix_keys.shares_prompt_blocks`). The
+    # controller drops it when the server's prefix caching is off.
+    forks_share: bool = False
     band: int = 1  # 0 is the most important
     tenant: str = "default"
     ttft_slo_s: float | None = None
@@ -157,7 +158,8 @@ class RunningSet:
     def prefill_ahead_tokens(self, now: float) -> int:
         """Prompt tokens the server still has to prefill for admitted requests before a
         new one's (vLLM schedules prefills first come, first served): each one's new
-        tokens times the share of its predicted time to first token still to run.
+        tokens (all its forks': `RequestCost.server_prefill_tokens`) times the share of
+        its predicted time to first token still to run.
         Called with a clock that never goes back: one whose predicted time has passed
         counts for nothing from then on, and is no longer looked at (a decision costs
         the prefills in flight, not every request waiting for its first token)."""

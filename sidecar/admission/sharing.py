@@ -96,7 +96,9 @@ class PromptSharing:
         return self.recent_keys.keys(token_ids, salt)
 
     def plan(self, keys: tuple[bytes, ...], prompt_tokens: int, sequences: int) -> PrefixPlan:
-        """What a request shares now (requests forking several sequences: nothing)."""
+        """What a request shares now with the requests admitted (a request forking
+        several sequences: nothing; its forks share among themselves,
+        `CostModel.fork_shared_blocks`)."""
         if self.index is None or not keys or sequences != 1:
             return PrefixPlan.none()
         return self.index.plan(keys, prompt_tokens, self.ledger)

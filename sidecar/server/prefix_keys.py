@@ -8,8 +8,8 @@ blocks itself (`AdmissionController.prompt_keys`) where it knows what vLLM adds:
   image, audio or video parts shares nothing, as far as kvgate assumes;
 - a request that asks for its prompt's logprobs does not read the cache at all.
 
-`forks_share` says whether the forks of one request (n > 1) share its prompt's blocks
-among themselves (`CostModel.fork_shared_blocks`).
+`shares_prompt_blocks` also says whether the forks of one request (n > 1) share its
+prompt's blocks among themselves (`CostModel.fork_shared_blocks`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def prompt_keys(
     shares: bool,
 ) -> tuple[bytes, ...]:
     """The keys of the prompt's full blocks, or () where kvgate counts no sharing
-    (`shares`: `forks_share(body, gen)`)."""
+    (`shares`: `shares_prompt_blocks(body, gen)`)."""
     if token_ids is None or not shares:
         return ()
     if served_model is not None and gen.model not in (None, served_model):
@@ -45,30 +45,26 @@ def prompt_keys(
     return controller.prompt_keys(token_ids, b"cache_salt:" + salt.encode() if salt else b"")
 
 
-def forks_share(body: Mapping[str, Any], gen: GenerationRequest) -> bool:
-    """Whether kvgate counts the prompt's blocks as shared: between the request's forks,
-    and (with its keys) with other requests. Not for a batch of prompts (which prompt
-    each sequence forks from is not tracked), media (an encoder budget can cut the
-    first fork's prefill short of them) or a request that does not read the prefix
+def shares_prompt_blocks(body: Mapping[str, Any], gen: GenerationRequest) -> bool:
+    """Whether kvgate counts the prompt's blocks as shared: between the request's forks
+    (n > 1) and, with its keys, with other requests. Not for a batch of prompts (which
+    prompt each sequence forks from is not tracked), media (an encoder budget can cut
+    the first fork's prefill short of them) or a request that does not read the prefix
     cache."""
     return gen.prompts == 1 and not _has_media(body) and reads_prefix_cache(body, gen.route)
 
 
 def reads_prefix_cache(body: Mapping[str, Any], route: str) -> bool:
     """Whether vLLM looks the prompt up in its prefix cache. Not when it returns the
-    prompt's logprobs (vLLM 0.32 `SamplingParams`: `skip_reading_prefix_cache`):
-    `prompt_logprobs`, or `echo` with `logprobs` (completions) or `top_logprobs`
-    (chat, where it defaults to 0)."""
-    if body.get("skip_reading_prefix_cache") is True:
-        return False
+    prompt's logprobs (vLLM 0.32 then sets `skip_reading_prefix_cache`):
+    `prompt_logprobs`, `echo` with `logprobs` (completions), or `echo` at all (chat,
+    whose `top_logprobs`, 0 when absent or null, becomes the prompt's logprobs). An
+    `echo` that is not plainly false counts as true, as vLLM's lax parsing reads it."""
     if body.get("prompt_logprobs") is not None:
         return False
-    if body.get("echo") is True:
-        if route == "completions" and body.get("logprobs") is not None:
-            return False
-        if route == "chat" and body.get("top_logprobs", 0) is not None:
-            return False
-    return True
+    echo = body.get("echo") not in (None, False, 0, "false", "False", "0")
+    return not (echo and (route == "chat" or (route == "completions"
+                                              and body.get("logprobs") is not None)))
 
 
 def _has_media(body: Mapping[str, Any]) -> bool:

@@ -28,7 +28,7 @@ from sidecar.server.client_headers import PRIORITY, TENANT, TTFT_SLO, parse_stee
 from sidecar.server.errors import error_response, rejection_response
 from sidecar.server.keys import SERVICES
 from sidecar.server.lean import LeanRequest
-from sidecar.server.prefix_keys import forks_share, prompt_keys
+from sidecar.server.prefix_keys import prompt_keys, shares_prompt_blocks
 from sidecar.server.requests import (
     BadRequest,
     GenerationRequest,
@@ -219,7 +219,7 @@ async def _generation(request: Incoming, services: Services) -> web.StreamRespon
     prompt_tokens, token_ids = await services.prompts.count(gen, services.client,
                                                             access_log.REQUEST_ID.get())
     services.refresh()
-    shares = forks_share(body, gen)
+    shares = shares_prompt_blocks(body, gen)
     admission = AdmissionRequest(
         block_keys=prompt_keys(controller, body, gen, token_ids,
                                services.learned.model_id if services.learned else None,

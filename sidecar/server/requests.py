@@ -162,10 +162,9 @@ def parse_generation(route: str, body: Mapping[str, Any]) -> GenerationRequest:
 
 
 def _sequences(body: Mapping[str, Any]) -> int:
-    """The sequences vLLM runs for the request: `n`. vLLM 0.32 ignores `best_of` (its
-    completions and chat requests have no such field; it generates `n` sequences)."""
+    """The sequences vLLM runs for the request: `n`. `best_of` is passed on unread:
+    vLLM 0.32 ignores it (its completions and chat requests have no such field)."""
     n = _positive_int(body, "n", limit=MAX_SEQUENCES) or 1
-    _positive_int(body, "best_of", limit=MAX_SEQUENCES)  # still checked: clients mean it
     temperature = body.get("temperature")
     if temperature is not None and (not isinstance(temperature, int | float)
                                     or isinstance(temperature, bool)
