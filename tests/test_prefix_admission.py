@@ -227,3 +227,33 @@ def test_a_sliding_window_reservation_shrinks_after_the_prefill() -> None:
         assert ctl.ledger.reserved_blocks == 0
 
     asyncio.run(scenario())
+
+
+def test_with_an_mtp_drafter_a_hit_gives_up_its_last_block() -> None:
+    # vLLM 0.32 recomputes the last block of every prefix-cache hit with an MTP drafter
+    # (`drop_eagle_block`): of the 20 shared prefix blocks, a newcomer reuses 19 and
+    # allocates its own 20th. (No full-attention model kvgate reads has an MTP drafter
+    # in the test data: the setting is put on the tiny model directly.)
+    from dataclasses import replace
+
+    from sidecar.admission import AdmissionController, AdmissionSettings, CostModel, ServerState
+    from sidecar.model.planning import shared_prefix_blocks
+
+    served = tiny_served(num_blocks=256)
+    served.deployment = replace(served.deployment, num_speculative_tokens=1,
+                                speculative_method="mtp")
+    assert served.deployment.drops_last_prefix_hit
+    ctl = AdmissionController(CostModel(served), AdmissionSettings(), clock=FakeClock())
+    ctl.update_server(ServerState(available=True))
+    peak = cdiv(len(prompt(1)) + 64 - 1, BLOCK)
+    first = admit(ctl, request(ctl, prompt(1)))
+    second = admit(ctl, request(ctl, prompt(2)))
+    assert second.cost.shared_blocks == 19 and second.cost.kv_blocks == peak - 19
+    assert second.cost.cached_tokens == 19 * BLOCK
+    assert ctl.ledger.reserved_blocks == 2 * peak - 19
+    for ticket in (first, second):
+        ticket.finish(64)
+    assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.shared_keys == 0
+    # The planner counts the same.
+    assert shared_prefix_blocks(served, 20 * BLOCK, len(prompt(1))) == 19
+    assert shared_prefix_blocks(tiny_served(num_blocks=256), 20 * BLOCK, len(prompt(1))) == 20

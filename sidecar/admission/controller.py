@@ -201,7 +201,8 @@ class AdmissionController:
         self.wait_ratio = WaitRatio()
         self._draining = False
         self._drain_deadline_s: float | None = None
-        self.sharing = PromptSharing(self.ledger, cost_model.served.layout)
+        self.sharing = PromptSharing(self.ledger, cost_model.served.layout,
+                                     cost_model.served.deployment.drops_last_prefix_hit)
         self.room = KVRoom(self.ledger, cost_model)
         self._room_cache: tuple[int, float, RunningHoldings] | None = None
         # The last walk of the queue (`_queue_ahead`): what it was computed from.
@@ -268,7 +269,8 @@ class AdmissionController:
         self.cost_model = cost_model
         capacity = cost_model.served.capacity
         self._model_capacity = capacity.usable_blocks if capacity else None
-        self.sharing.set_layout(cost_model.served.layout)
+        self.sharing.set_layout(cost_model.served.layout,
+                                cost_model.served.deployment.drops_last_prefix_hit)
         self.room.set_cost_model(cost_model)
         self.update_server(self.server)
 

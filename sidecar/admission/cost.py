@@ -128,10 +128,10 @@ class CostModel:
         # The prompt blocks the sequences one request forks (n) share, with prefix
         # caching on (`fork_shared_blocks`): counted only where every group keeps its
         # prompt blocks for the request's whole life (full attention, MLA), and not
-        # with MTP drafting, whose cache hits leave out blocks at the end.
+        # with MTP drafting, whose cache hits give up their last block.
         layout = served.layout
         shareable = (all(group.spec.prefix_shareable for group in layout.groups)
-                     and served.deployment.speculative_method != "mtp")
+                     and not served.deployment.drops_last_prefix_hit)
         self._fork_block_size = layout.prefix_block_size if shareable else None
         self._fork_groups = layout.prefix_groups
 

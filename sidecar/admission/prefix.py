@@ -256,9 +256,13 @@ class HeldBlocks(Protocol):
 class PrefixIndex:
     """Plans prompt-block sharing against the ledger's holders and the server's cache."""
 
-    def __init__(self, block_size: int, server: ServerCache) -> None:
+    def __init__(self, block_size: int, server: ServerCache,
+                 drops_last_hit: bool = False) -> None:
         self.block_size = block_size
         self.server = server
+        # With an MTP drafter vLLM gives up the last block of every hit (it computes
+        # that block's tokens again, into a block of its own).
+        self.drops_last_hit = drops_last_hit
         self.query_tokens = 0  # prompt tokens planned, for the hit ratio
         self.hit_tokens = 0  # of which predicted prefix hits
 
@@ -267,13 +271,19 @@ class PrefixIndex:
             return PrefixPlan.none()
         # vLLM always computes the last prompt token: hits stop one token short.
         max_hits = max(0, (prompt_tokens - 1) // self.block_size)
+        counts = held.holder_counts
+        if self.drops_last_hit:
+            run = 0  # the leading blocks the server would find: held, or cached
+            while run < min(max_hits, len(keys)) and (
+                    counts.get(keys[run], 0) > 0 or self.server.cached(keys[run])):
+                run += 1
+            max_hits = min(max_hits, max(0, run - 1))
         shared = 0
         cached = 0
         leading = True
         cached_run = True
         refs: list[bytes] = []
         private = 0
-        counts = held.holder_counts
         for index, key in enumerate(keys):
             holders = counts.get(key, 0)
             hit = index < max_hits

@@ -50,7 +50,10 @@ def shared_prefix_blocks(served: ServedModel, shared_prefix_tokens: int,
     if block_size is None or shared_prefix_tokens <= 0:
         return 0
     hit = prefix_hit_tokens(shared_prefix_tokens, prompt_tokens, block_size)
-    return hit // block_size * served.layout.prefix_groups
+    blocks = hit // block_size
+    if served.deployment.drops_last_prefix_hit:  # an MTP drafter: the last one is its own
+        blocks = max(0, blocks - 1)
+    return blocks * served.layout.prefix_groups
 
 
 def steady_latency(

@@ -90,6 +90,13 @@ class Deployment:
         return self.async_scheduling and not ngram
 
     @property
+    def drops_last_prefix_hit(self) -> bool:
+        """Whether a prefix-cache hit gives up its last block: with an MTP drafter
+        vLLM recomputes the tokens right before the generation point (0.32,
+        `find_longest_cache_hit`'s `drop_eagle_block`)."""
+        return self.num_speculative_tokens > 0 and self.speculative_method == "mtp"
+
+    @property
     def resolved_mamba_cache_mode(self) -> str:
         """vLLM's MambaModelConfig: `align` when prefix caching is on, else `none`."""
         if not self.enable_prefix_caching:
