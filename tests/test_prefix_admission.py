@@ -251,9 +251,23 @@ def test_with_an_mtp_drafter_a_hit_gives_up_its_last_block() -> None:
     assert second.cost.shared_blocks == 19 and second.cost.kv_blocks == peak - 19
     assert second.cost.cached_tokens == 19 * BLOCK
     assert ctl.ledger.reserved_blocks == 2 * peak - 19
-    for ticket in (first, second):
+    # A block-aligned prompt the same as a held one: the hit stops one token short (19
+    # blocks), then gives up its last block (18).
+    aligned_holder = admit(ctl, request(ctl, PREFIX))
+    aligned = admit(ctl, request(ctl, PREFIX))
+    assert aligned.cost.shared_blocks == 18 and aligned.plan.private == 2
+    for ticket in (first, second, aligned_holder, aligned):
+        ticket.first_token()  # prefilled: the server has the blocks cached
         ticket.finish(64)
     assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.shared_keys == 0
+    # Cached on the server and held by no one: the given-up block is the request's own
+    # to allocate (charged), the 19 before it found in the cache.
+    cached_only = admit(ctl, request(ctl, prompt(3)))
+    assert cached_only.cost.shared_blocks == 0
+    assert cached_only.cost.cached_tokens == 19 * BLOCK
+    assert cached_only.cost.kv_blocks == peak
+    cached_only.finish(64)
+    assert ctl.ledger.reserved_blocks == 0
     # The planner counts the same.
     assert shared_prefix_blocks(served, 20 * BLOCK, len(prompt(1))) == 19
     assert shared_prefix_blocks(tiny_served(num_blocks=256), 20 * BLOCK, len(prompt(1))) == 20
