@@ -90,7 +90,11 @@ async def test_gateway_metrics_saturate_the_epp_while_kvgate_queues(
                     break
                 await asyncio.sleep(0.2)
                 idle = await scrape(session, sidecar)
-            load = asyncio.create_task(burst(sidecar.url, count=12, max_tokens=400))
+            # 800 output tokens (28 blocks at their peak): two run at a time, and more
+            # than five wait in kvgate for seconds, however late the first scrape is
+            # (with 400, four ran at once and the queue could fall under six within a
+            # wave, before a busy machine's first scrape).
+            load = asyncio.create_task(burst(sidecar.url, count=12, max_tokens=800))
             readings = []
             while not load.done():
                 readings.append(await scrape(session, sidecar))
