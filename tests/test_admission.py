@@ -1319,8 +1319,8 @@ def test_a_forked_reservation_keeps_its_sharing_when_prefix_caching_flips() -> N
 
 def test_forks_share_nothing_under_mtp_drafting() -> None:
     # vLLM drops the last hit block with an MTP drafter (its hits leave blocks out at
-    # the end): kvgate counts no fork sharing then. (No full-attention model kvgate
-    # knows an MTP drafter for: the setting is put on a tiny model directly.)
+    # the end): kvgate counts no fork sharing then. (No full-attention model in the
+    # test data has MTP layers: the setting is put on a tiny model directly.)
     served = tiny_served(num_blocks=512)
     served.deployment = replace(served.deployment, num_speculative_tokens=1,
                                 speculative_method="mtp")
