@@ -1288,6 +1288,25 @@ def test_forks_after_the_first_prefill_only_what_the_cache_does_not_hold() -> No
     assert model.cost(200, 10, 1).server_prefill_tokens == 200
 
 
+def test_forks_that_do_not_share_hold_their_blocks_through_every_fork_s_prefill() -> None:
+    """vLLM prefills each fork as a request of its own: forks that cannot share the
+    prompt (prompt_logprobs, prefix caching off) take `sequences` prompts' chunks before
+    they decode, and hold their blocks that much longer; shared, only the first fork's
+    prompt and the later forks' tails."""
+    model = CostModel(tiny_served(num_blocks=4096))
+    room = KVRoom(Ledger(4096), model)
+    chunk = model.lifecycle.chunk_tokens
+    prompt = 2 * chunk + 40  # three chunks alone
+    for forks_share, prefilled in ((False, 4 * prompt), (True, prompt + 3 * (prompt % 16))):
+        request = AdmissionRequest(prompt_tokens=prompt, max_tokens=10, sequences=4,
+                                   forks_share=forks_share)
+        cost = model.cost(prompt, 10, 4, forks_share=forks_share)
+        assert cost.server_prefill_tokens == prefilled
+        chunks = -(-prefilled // chunk)
+        assert room.newcomer(request, cost, PrefixPlan.none()).end_steps == chunks + 10 + 1
+    assert -(-4 * prompt // chunk) > 3  # the unshared forks' prefill is the longer
+
+
 def test_a_forked_reservation_keeps_its_sharing_when_prefix_caching_flips() -> None:
     ctl = controller(num_blocks=64)
 
