@@ -425,6 +425,32 @@ def test_running_requests_of_a_group_hold_its_prefix_once() -> None:
     assert [r.cached_tokens for r in shared.records] == [0, 512, 512, 512]
 
 
+def test_with_an_mtp_drafter_each_hit_gives_up_its_last_block() -> None:
+    # vLLM recomputes the last block of a hit for an MTP drafter: each later request
+    # reuses 31 of the prefix's 32 blocks and prefills the 32nd into a block of its own.
+    # (No full-attention model in the test data has MTP layers: the setting is put on
+    # the tiny model directly, past the check that the model has them.)
+    model = served()
+    model.deployment = replace(model.deployment, num_speculative_tokens=1,
+                               speculative_method="mtp")
+    assert model.deployment.drops_last_prefix_hit
+    group = [SimRequest(0.001 * i, 600, 50, "system", 512) for i in range(4)]
+    alone = [SimRequest(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in group]
+    shared = run(model, group)
+    assert [r.cached_tokens for r in shared.records] == [0, 496, 496, 496]
+    assert run(model, alone).peak_blocks - shared.peak_blocks == 3 * 31
+    # The planner's latency and chains count the same hit.
+    from sidecar.model.planning import ChainCall, chain, steady_latency
+
+    plain = served()
+    for with_mtp, hit in ((model, 496), (plain, 512)):
+        estimate = steady_latency(with_mtp, 600, 10, 1, cached_tokens=512)
+        assert estimate is not None
+        assert estimate.ttft_s == pytest.approx(with_mtp.ttft(600 - hit, (), hit).seconds)
+        calls = chain(with_mtp, [ChainCall(512, 10), ChainCall(600, 10)], True)
+        assert calls is not None and calls.calls[1].cached_tokens == hit
+
+
 def test_requests_admitted_in_one_step_share_the_blocks_the_first_allocates() -> None:
     # vLLM caches a chunk's whole blocks as it allocates them: the second request of
     # the same step already finds the prefix (the kernels write each layer's KV for

@@ -36,11 +36,15 @@ class LatencyEstimate:
     decode_bound: Bound
 
 
-def prefix_hit_tokens(cached_tokens: int, prompt_tokens: int, block_size: int) -> int:
+def prefix_hit_tokens(cached_tokens: int, prompt_tokens: int, block_size: int, *,
+                      drops_last_block: bool = False) -> int:
     """Prompt tokens a request finds in the prefix cache when the server holds its
-    first `cached_tokens` tokens: whole blocks, never the last prompt token."""
+    first `cached_tokens` tokens: whole blocks, never the last prompt token, and with
+    an MTP drafter (`drops_last_block`) one block fewer (vLLM computes the last block of
+    a hit again, for the drafter)."""
     usable = min(cached_tokens, prompt_tokens - 1)
-    return max(0, usable) // block_size * block_size
+    hit = max(0, usable) // block_size * block_size
+    return max(0, hit - block_size) if drops_last_block else hit
 
 
 def shared_prefix_blocks(served: ServedModel, shared_prefix_tokens: int,
@@ -49,11 +53,9 @@ def shared_prefix_blocks(served: ServedModel, shared_prefix_tokens: int,
     block_size = served.layout.prefix_block_size
     if block_size is None or shared_prefix_tokens <= 0:
         return 0
-    hit = prefix_hit_tokens(shared_prefix_tokens, prompt_tokens, block_size)
-    blocks = hit // block_size
-    if served.deployment.drops_last_prefix_hit:  # an MTP drafter: the last one is its own
-        blocks = max(0, blocks - 1)
-    return blocks * served.layout.prefix_groups
+    hit = prefix_hit_tokens(shared_prefix_tokens, prompt_tokens, block_size,
+                            drops_last_block=served.deployment.drops_last_prefix_hit)
+    return hit // block_size * served.layout.prefix_groups
 
 
 def steady_latency(
@@ -71,7 +73,8 @@ def steady_latency(
     concurrency = max(1, concurrency)
     mid_context = prompt_tokens + output_tokens // 2
     others = (mid_context,) * (concurrency - 1)
-    cached = prefix_hit_tokens(cached_tokens, prompt_tokens, served.block_size)
+    cached = prefix_hit_tokens(cached_tokens, prompt_tokens, served.block_size,
+                               drops_last_block=served.deployment.drops_last_prefix_hit)
     prefill = served.ttft(prompt_tokens - cached, others, cached)
     decode = served.tpot((mid_context,) * concurrency)
     assert prefill is not None and decode is not None
@@ -217,7 +220,9 @@ def chain(
     for call in calls:
         cached = 0
         if prefix_cache and previous_context and call.input_tokens > previous_context:
-            cached = prefix_hit_tokens(previous_context, call.input_tokens, block_size)
+            cached = prefix_hit_tokens(
+                previous_context, call.input_tokens, block_size,
+                drops_last_block=served.deployment.drops_last_prefix_hit)
         new_tokens = max(1, call.input_tokens - cached)
         mid = call.input_tokens + call.output_tokens // 2
         others = (mid,) * (max(1, concurrency) - 1)

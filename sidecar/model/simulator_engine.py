@@ -236,6 +236,8 @@ class Engine:
                           and shareable == len(self.layout.groups))
         self.prefix_block = block or 1
         self.prefix_units = shareable
+        # An MTP drafter: vLLM gives up the last block of every hit (computes it again).
+        self.drops_last_hit = served.deployment.drops_last_prefix_hit
         # The API server's work per request (`Efficiency.per_request_s`): beside the
         # steps on a GPU (a latency added to the first token and to the end), or, where
         # the host shares the device (vLLM's CPU build), device time the step a request
@@ -765,6 +767,12 @@ class Engine:
                 hit = prefix_hit_tokens(eligible, req.num_tokens, self.prefix_block)
             hit_blocks = hit // self.prefix_block
             own_hit = self._own_hit(req, hit_blocks)
+            if self.drops_last_hit:
+                if own_hit:
+                    own_hit -= 1
+                elif hit_blocks:
+                    hit_blocks -= 1
+                    hit = hit_blocks * self.prefix_block
             full = self._full(req.num_tokens)
             joining = group.cached * pg if group is not None and group.refs == 0 else 0
             free = self.usable - self.held
