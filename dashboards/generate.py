@@ -289,6 +289,25 @@ LAYOUT: list[tuple[Panel, int, int]] = [
         8,
         8,
     ),
+    (
+        timeseries(
+            "What the queue waits on",
+            "The share of time kvgate's queue waited on each limit: the KV cache (no room "
+            "for the head's peak beside what runs: add KV cache or replicas), the server's "
+            "--max-num-seqs (raise it if the KV cache has room), its --max-num-queued-reqs "
+            "or --max-num-queued-tokens. 'now' is 1 (100%) "
+            "for the limit the queue waits on at the scrape, 0 for the others.",
+            [
+                target(f"sum by (instance, limit) (rate(kvgate_queue_blocked_seconds_total"
+                       f"{{{K}}}[{RI}]))", "{{instance}} {{limit}}"),
+                target(f"kvgate_queue_waiting_on{{{K}}}", "{{instance}} now: {{limit}}"),
+            ],
+            unit="percentunit",
+            maximum=1,
+        ),
+        24,
+        7,
+    ),
     (row("KV cache"), 24, 1),
     (
         timeseries(

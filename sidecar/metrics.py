@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from bisect import bisect_left
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -82,6 +82,10 @@ class StateView:
     server_waiting: int | None
     prefix: PrefixView | None = None
     others_blocks: int | None = None  # server use kvgate's requests do not explain
+    # The limit the queue waits on now (admission/blockage.py; None: none), and the
+    # seconds it has waited on each since start.
+    queue_waiting_on: str | None = None
+    queue_blocked_s: Mapping[str, float] | None = None
 
 
 class LoopBuckets:
@@ -316,6 +320,8 @@ class _StateCollector(Collector):
 
         yield gauge("kvgate_queue_requests", "Requests waiting in the admission queue.",
                     view.queue_requests)
+        if view.queue_blocked_s is not None:
+            yield from _queue_limits(view.queue_waiting_on, view.queue_blocked_s)
         yield gauge("kvgate_inflight_requests", "Admitted requests not finished yet.",
                     view.inflight_requests)
         yield gauge("kvgate_kv_capacity_blocks",
@@ -354,6 +360,24 @@ class _StateCollector(Collector):
                         "kvgate's predictive view: 1 while kvgate holds requests back, else "
                         "max(reserved + others', used, forecast peak) / capacity.",
                         gateway_kv_usage(view))
+
+
+def _queue_limits(waiting_on: str | None, blocked_s: Mapping[str, float]
+                  ) -> Iterator[Metric]:
+    now = GaugeMetricFamily(
+        "kvgate_queue_waiting_on",
+        "1 for the limit the admission queue waits on now (its head's: kv_cache, or the "
+        "server's max_num_seqs, max_num_queued_reqs or max_num_queued_tokens), 0 for the "
+        "others; all 0 when nothing waits.", labels=["limit"])
+    total = CounterMetricFamily(
+        "kvgate_queue_blocked_seconds",
+        "Seconds the admission queue has waited on each limit (rate: the share of time).",
+        labels=["limit"])
+    for limit, seconds in blocked_s.items():
+        now.add_metric([limit], 1.0 if limit == waiting_on else 0.0)
+        total.add_metric([limit], seconds)
+    yield now
+    yield total
 
 
 def gateway_kv_usage(view: StateView) -> float:

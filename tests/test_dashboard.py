@@ -112,7 +112,7 @@ def test_variables_and_intervals_are_used_properly() -> None:
 
 def test_contract_metrics_are_all_shown_or_alerted() -> None:
     kvgate = _contract_metrics("kvgate_")
-    assert len(kvgate) == 39, sorted(kvgate)
+    assert len(kvgate) == 41, sorted(kvgate)
     panels = "\n".join(expr for _, expr in panel_targets(DASHBOARD))
     rules = "\n".join(rule_expressions(RULES))
     missing = {m for m in kvgate if not _uses(m, panels) and not _uses(m, rules)}

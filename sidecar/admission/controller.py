@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol, cast
 
+from sidecar.admission.blockage import KV_CACHE, QueueBlockage
 from sidecar.admission.cost import CostModel, RequestCost
 from sidecar.admission.finished import RecentlyFinished
 from sidecar.admission.forecast import (
@@ -205,6 +206,8 @@ class AdmissionController:
                                      cost_model.served.deployment.drops_last_prefix_hit)
         self.room = KVRoom(self.ledger, cost_model)
         self._room_cache: tuple[int, float, RunningHoldings] | None = None
+        # What the queue waits on (its head's limit), and how long it has on each.
+        self.blockage = QueueBlockage(clock())
         # The last walk of the queue (`_queue_ahead`): what it was computed from.
         self._walk_memo: tuple[tuple[int, int, str, int, tuple[float, int]],
                                RunningHoldings, _QueueAhead | None] | None = None
@@ -287,6 +290,7 @@ class AdmissionController:
         for entry in list(self.queue.entries()):
             self.queue.remove(entry)
             self._resolve(entry, self._draining_decision())
+        self.blockage.set(None, self.clock())
 
     @property
     def draining(self) -> bool:
@@ -646,6 +650,7 @@ class AdmissionController:
             deadline_s=deadline,
             payload=_Waiter(future, request, cost, self.room.queued(request, cost)),
         ))
+        self.blockage.set(self._queue_limit(now), now)
         timeout = self.settings.limits.max_wait_s
         if deadline is not None:
             timeout = min(timeout, max(0.0, deadline - now - cost.deadline_prefill_s))
@@ -726,17 +731,20 @@ class AdmissionController:
         """Admit waiting requests, in policy order, while the head fits; a head that
         fits too late to make its TTFT target is refused instead."""
         if self.settings.mode is Mode.SHADOW or self._draining or not self.server.available:
+            self.blockage.set(self._queue_limit(self.clock()), self.clock())
             return
         while len(self.queue):
             now = self.clock()
             entry = self.queue.peek(now)
             if entry is None:
-                return
+                break
             head = cast(_Waiter, entry.payload)
             # What the head shares is looked up now: it may have changed while it waited.
             plan = self._plan(head.request)
-            if (not self._fits_now(head.request, head.cost, plan)
-                    or self._server_refusal(head.request) is not None):
+            limit = (KV_CACHE if not self._fits_now(head.request, head.cost, plan)
+                     else self._server_refusal(head.request))
+            if limit is not None:
+                self.blockage.set(limit, now)
                 return
             # Priced as it would start now: the prompts ahead and the running set
             # changed while it waited (a wave of requests let in together prefill in turn).
@@ -759,6 +767,21 @@ class AdmissionController:
                                  predicted_ttft_s=waited + cost.prefill_s, plan=plan,
                                  priced=True)
             head.future.set_result(ticket)
+        self.blockage.set(None, self.clock())
+
+    def _queue_limit(self, now: float) -> str | None:
+        """The limit the queue's head waits on at `now` (`blockage`): None when the
+        queue is empty or its head can go."""
+        if (not len(self.queue) or self.settings.mode is Mode.SHADOW or self._draining
+                or not self.server.available):
+            return None
+        entry = self.queue.peek(now)
+        if entry is None:
+            return None
+        head = cast(_Waiter, entry.payload)
+        if not self._fits_now(head.request, head.cost, self._plan(head.request)):
+            return KV_CACHE
+        return self._server_refusal(head.request)
 
     def _resolve(self, entry: Entry, decision: Decision) -> None:
         waiter = cast(_Waiter, entry.payload)
@@ -1130,6 +1153,8 @@ class AdmissionController:
                 "by_band_and_tenant": self.queue.summary(),
                 "wait_ratio": {"factor": self.wait_ratio.factor,
                                "samples": self.wait_ratio.samples},
+                "waiting_on": self.blockage.current,
+                "blocked_s": self.blockage.seconds(self.clock()),
             },
             "inflight": len(self._running),
             "server_queue": self._server_queue_state(),

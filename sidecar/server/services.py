@@ -676,6 +676,8 @@ class Services:
             server_waiting=metrics.waiting if metrics else None,
             prefix=self.prefix_view(view, metrics),
             others_blocks=controller.others_blocks if metrics else None,
+            queue_waiting_on=controller.blockage.current,
+            queue_blocked_s=controller.blockage.seconds(controller.clock()),
         )
 
     def prefix_view(self, view: UpstreamView | None,
