@@ -723,6 +723,12 @@ def test_simulate_follows_a_server_without_asynchronous_scheduling(tmp_path: Pat
     assert cpu["vllm"]["steps"] == runs[True]["vllm"]["steps"]
     code, out, _ = _cli([*base[:-1], "--cpu-build"])
     assert "no asynchronous scheduling, the API server on the engine's cores (CPU build)" in out
+    # --async-scheduling (as `kvgate serve` spells it): the default, said out loud; not
+    # with a CPU build, which never schedules asynchronously.
+    code, out, _ = _cli([*base, "--async-scheduling"])
+    assert code == 0 and json.loads(out)["vllm"]["steps"] == runs[False]["vllm"]["steps"]
+    code, _, err = _cli([*base, "--cpu-build", "--async-scheduling"])
+    assert code == 2 and "--async-scheduling with --cpu-build" in err
 
 
 def test_the_cpu_build_runs_its_own_block_size(tmp_path: Path) -> None:

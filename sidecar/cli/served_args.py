@@ -134,12 +134,19 @@ def add_served_model_args(parser: Parser) -> None:
                       help="the server's vLLM version, for its memory accounting: from 0.21 "
                       "vLLM takes its CUDA graphs out of the KV budget (default: "
                       f"{'.'.join(map(str, VLLM_VERSION))}, the version kvgate follows)")
-    vllm.add_argument("--no-async-scheduling", dest="no_async_scheduling", action="store_true",
-                      help="the server schedules each step after the last one's output "
-                      "(vLLM's --no-async-scheduling; its CPU build always does): finished "
-                      "requests free their blocks a step sooner and new ones start a step sooner "
-                      "(see also --cpu-build; vLLM also turns it off with an n-gram "
-                      "drafter)")
+    scheduling = vllm.add_mutually_exclusive_group()
+    # None: not given (vLLM's default: on, off in its CPU build).
+    scheduling.add_argument("--async-scheduling", dest="no_async_scheduling",
+                            action="store_false", default=None,
+                            help="the server schedules each step while the last one runs "
+                            "(vLLM's default on GPUs; `kvgate serve` takes the same flag)")
+    scheduling.add_argument("--no-async-scheduling", dest="no_async_scheduling",
+                            action="store_true", default=None,
+                            help="the server schedules each step after the last one's output "
+                            "(vLLM's --no-async-scheduling; its CPU build always does): "
+                            "finished requests free their blocks a step sooner and new ones "
+                            "start a step sooner (see also --cpu-build; vLLM also turns it "
+                            "off with an n-gram drafter)")
     vllm.add_argument("--cpu-build", action="store_true",
                       help="the server is vLLM's CPU build: no asynchronous scheduling, "
                       "and its API server's work per request (tokenizing, the HTTP "
@@ -194,6 +201,9 @@ class PrefixCaching(argparse.Action):
 
 
 def deployment_from_args(args: argparse.Namespace) -> Deployment:
+    if args.no_async_scheduling is False and args.cpu_build:
+        raise ModelError("--async-scheduling with --cpu-build: vLLM's CPU build never "
+                         "schedules asynchronously")
     return Deployment(
         tp=args.tp,
         dtype=args.dtype,
@@ -213,7 +223,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         data_parallel_size=args.data_parallel_size,
         attention_backend=args.attention_backend,
         speculative_method=args.speculative_method,
-        async_scheduling=not (args.no_async_scheduling or args.cpu_build),
+        async_scheduling=not (bool(args.no_async_scheduling) or args.cpu_build),
         host_shares_device=args.cpu_build,
         enforce_eager=args.enforce_eager,
         vllm_version=args.vllm_version,
