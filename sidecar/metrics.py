@@ -366,9 +366,10 @@ def _queue_limits(waiting_on: str | None, blocked_s: Mapping[str, float]
                   ) -> Iterator[Metric]:
     now = GaugeMetricFamily(
         "kvgate_queue_waiting_on",
-        "1 for the limit the admission queue waits on now (its head's: kv_cache, or the "
-        "server's max_num_seqs, max_num_queued_reqs or max_num_queued_tokens), 0 for the "
-        "others; all 0 when nothing waits.", labels=["limit"])
+        "1 for the limit the admission queue waits on (its head's, as of kvgate's last try "
+        "to admit it: an arrival, a finish, a scrape): kv_cache, or the server's "
+        "max_num_seqs, max_num_queued_reqs or max_num_queued_tokens; 0 for the others, "
+        "all 0 when nothing waits.", labels=["limit"])
     total = CounterMetricFamily(
         "kvgate_queue_blocked_seconds",
         "Seconds the admission queue has waited on each limit (rate: the share of time).",

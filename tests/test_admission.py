@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from sidecar.admission import (
     AdmissionController,
     AdmissionRequest,
+    AdmissionSettings,
     CostModel,
     Decision,
     Mode,
@@ -30,7 +31,13 @@ from sidecar.admission.room import KVRoom, QueueWalk, RunningHoldings
 from sidecar.admission.wait_ratio import MIN_SAMPLES
 from sidecar.model import ServedModel
 
-from support.admission_fixtures import FakeClock, FakeClockLoop, controller, tiny_served
+from support.admission_fixtures import (
+    TINY_LLAMA,
+    FakeClock,
+    FakeClockLoop,
+    controller,
+    tiny_served,
+)
 
 
 class Recorder:
@@ -1292,19 +1299,40 @@ def test_forks_that_do_not_share_hold_their_blocks_through_every_fork_s_prefill(
     """vLLM prefills each fork as a request of its own: forks that cannot share the
     prompt (prompt_logprobs, prefix caching off) take `sequences` prompts' chunks before
     they decode, and hold their blocks that much longer; shared, only the first fork's
-    prompt and the later forks' tails."""
+    prompt and the later forks' tails. What the server has cached counts for every fork
+    that does not share, and for the first one that does."""
     model = CostModel(tiny_served(num_blocks=4096))
     room = KVRoom(Ledger(4096), model)
     chunk = model.lifecycle.chunk_tokens
     prompt = 2 * chunk + 40  # three chunks alone
-    for forks_share, prefilled in ((False, 4 * prompt), (True, prompt + 3 * (prompt % 16))):
+    tail = prompt % 16  # past the prompt's full blocks of 16
+    for forks_share, cached, prefilled in (
+            (False, 0, 4 * prompt), (True, 0, prompt + 3 * tail),
+            (False, chunk, 4 * (prompt - chunk)), (True, chunk, prompt - chunk + 3 * tail)):
         request = AdmissionRequest(prompt_tokens=prompt, max_tokens=10, sequences=4,
                                    forks_share=forks_share)
-        cost = model.cost(prompt, 10, 4, forks_share=forks_share)
+        cost = model.cost(prompt, 10, 4, forks_share=forks_share, cached_tokens=cached)
         assert cost.server_prefill_tokens == prefilled
-        chunks = -(-prefilled // chunk)
-        assert room.newcomer(request, cost, PrefixPlan.none()).end_steps == chunks + 10 + 1
-    assert -(-4 * prompt // chunk) > 3  # the unshared forks' prefill is the longer
+        steps = -(-prefilled // chunk)
+        plan = PrefixPlan(0, (), 0, cached)
+        assert room.newcomer(request, cost, plan).end_steps == steps + 10 + 1
+        # Queued, nothing it shares is counted: its forks prefill their whole prompts.
+        whole = model.cost(prompt, 10, 4, forks_share=forks_share).server_prefill_tokens
+        assert room.newcomer(request, cost, PrefixPlan.none()).end_steps == (
+            -(-whole // chunk) + 10 + 1)
+    # Admitted and not prefilled yet, the same steps come before the requests after it.
+    long = tiny_served(num_blocks=4096, max_model_len=8192,
+                       config={**TINY_LLAMA, "max_position_embeddings": 8192})
+    ctl = AdmissionController(CostModel(long), AdmissionSettings(), clock=FakeClock())
+    ctl.update_server(ServerState(available=True))
+
+    async def admitted() -> None:
+        ticket = await admit(ctl, prompt_tokens=prompt, max_tokens=10, sequences=4)
+        running = ctl.room.running([ticket], lambda _t, _now: 0, ctl.clock())
+        assert running.prefill_steps == -(-4 * prompt // chunk)
+        ticket.finish(10)
+
+    asyncio.run(admitted())
 
 
 def test_a_forked_reservation_keeps_its_sharing_when_prefix_caching_flips() -> None:

@@ -30,8 +30,8 @@ def test_the_seconds_on_each_limit_add_up_the_current_wait_included() -> None:
     assert seconds[MAX_RUNNING] == pytest.approx(1.0)
     assert seconds[MAX_REQUESTS] == 0.0 and set(seconds) == set(LIMITS)
     assert blockage.current == KV_CACHE
-    with pytest.raises(ValueError, match="unknown queue limit 'gpu'"):
-        blockage.set("gpu", 22.0)
+    blockage.set("a_new_limit", 22.0)  # counted under its name, never an error
+    assert blockage.seconds(23.5)["a_new_limit"] == pytest.approx(1.5)
 
 
 def _queued(ctl: Any, **request: Any) -> asyncio.Future[Any]:
@@ -86,6 +86,60 @@ def test_the_queue_waits_on_the_servers_max_num_seqs_where_the_cache_has_room() 
         assert ctl.blockage.current is None
         assert isinstance((await asyncio.gather(waiting, return_exceptions=True))[0],
                           Rejected)
+        running.finish()
+
+    asyncio.run(scenario())
+
+
+def test_the_heads_limit_follows_what_holds_it_and_a_request_behind_changes_nothing(
+        ) -> None:
+    """The server's --max-num-seqs holds the head; then a scrape shows the cache full of
+    traffic kvgate does not see: the cache holds it; once that traffic is gone, it goes
+    in. A request queued behind the head leaves the head's limit as it is."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=64, clock=clock, server_limits=ServerQueueLimits(max_running=1))
+
+    async def scenario() -> None:
+        running = await ctl.admit(AdmissionRequest(prompt_tokens=50, max_tokens=20))
+        head = _queued(ctl, prompt_tokens=300, max_tokens=20)
+        await asyncio.sleep(0)
+        assert ctl.blockage.current == MAX_RUNNING
+        behind = _queued(ctl, prompt_tokens=50, max_tokens=20)
+        await asyncio.sleep(0)
+        assert len(ctl.queue) == 2 and ctl.blockage.current == MAX_RUNNING
+        clock.advance(1.0)
+        ctl.update_server(ServerState(available=True, num_blocks=64, used_blocks=60))
+        assert ctl.blockage.current == KV_CACHE
+        clock.advance(2.0)
+        running.finish()  # a slot frees, but not the cache
+        await asyncio.sleep(0)
+        assert not head.done() and ctl.blockage.current == KV_CACHE
+        clock.advance(0.5)
+        ctl.update_server(ServerState(available=True, num_blocks=64, used_blocks=0))
+        first = await asyncio.wait_for(head, 1)
+        assert ctl.blockage.current == MAX_RUNNING  # now `behind` waits for a slot
+        first.finish()
+        (await asyncio.wait_for(behind, 1)).finish()
+        assert ctl.blockage.current is None
+        seconds = ctl.blockage.seconds(clock())
+        assert seconds[MAX_RUNNING] == pytest.approx(1.0)
+        assert seconds[KV_CACHE] == pytest.approx(2.5)
+
+    asyncio.run(scenario())
+
+
+def test_the_last_waiting_request_leaving_leaves_nothing_waiting() -> None:
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock)
+
+    async def scenario() -> None:
+        running = await ctl.admit(AdmissionRequest(prompt_tokens=500, max_tokens=12))
+        waiting = _queued(ctl, prompt_tokens=500, max_tokens=12)
+        await asyncio.sleep(0)
+        assert ctl.blockage.current == KV_CACHE
+        waiting.cancel()  # its client went away
+        await asyncio.gather(waiting, return_exceptions=True)
+        assert len(ctl.queue) == 0 and ctl.blockage.current is None
         running.finish()
 
     asyncio.run(scenario())

@@ -439,6 +439,15 @@ def test_with_an_mtp_drafter_each_hit_gives_up_its_last_block() -> None:
     shared = run(model, group)
     assert [r.cached_tokens for r in shared.records] == [0, 496, 496, 496]
     assert run(model, alone).peak_blocks - shared.peak_blocks == 3 * 31
+    # Part of the prefix evicted (a 3,500-token request takes most of the cache): the
+    # next request finds what is left, less its last block, and computes the rest, which
+    # vLLM caches as it goes: the one after finds the whole prefix again, less one block.
+    evicted = [SimRequest(0.0, 1100, 5, "system", 1024), SimRequest(1.0, 3500, 5),
+               *(SimRequest(at, 1100, 5, "system", 1024) for at in (2.0, 3.0, 4.0))]
+    found = [r.cached_tokens for r in run(model, evicted).records]
+    plain_found = [r.cached_tokens for r in run(served(), evicted).records]
+    assert plain_found == [0, 0, 576, 1024, 1024]
+    assert found == [0, 0, 576 - 16, 1024 - 16, 1024 - 16]
     # The planner's latency and chains count the same hit.
     from sidecar.model.planning import ChainCall, chain, steady_latency
 
@@ -729,6 +738,10 @@ def test_simulate_follows_a_server_without_asynchronous_scheduling(tmp_path: Pat
     assert code == 0 and json.loads(out)["vllm"]["steps"] == runs[False]["vllm"]["steps"]
     code, _, err = _cli([*base, "--cpu-build", "--async-scheduling"])
     assert code == 2 and "--async-scheduling with --cpu-build" in err
+    code, _, err = _cli([*base, "--num-speculative-tokens", "2", "--async-scheduling"])
+    assert code == 2 and "--async-scheduling with an n-gram drafter" in err
+    code, _, err = _cli([*base, "--async-scheduling", "--no-async-scheduling"])
+    assert code == 2 and "not allowed with argument --async-scheduling" in err
 
 
 def test_the_cpu_build_runs_its_own_block_size(tmp_path: Path) -> None:

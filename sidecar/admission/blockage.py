@@ -31,11 +31,11 @@ class QueueBlockage:
         self._seconds = dict.fromkeys(LIMITS, 0.0)
 
     def set(self, limit: str | None, now_s: float) -> None:
-        """From `now_s` on the queue waits on `limit` (None: on nothing)."""
-        if limit is not None and limit not in self._seconds:
-            raise ValueError(f"unknown queue limit {limit!r} (one of {', '.join(LIMITS)})")
+        """From `now_s` on the queue waits on `limit` (None: on nothing; a limit not
+        among `LIMITS` is counted under its own name)."""
         if self.current is not None:
-            self._seconds[self.current] += max(0.0, now_s - self._since_s)
+            self._seconds[self.current] = (self._seconds.get(self.current, 0.0)
+                                           + max(0.0, now_s - self._since_s))
         self.current = limit
         self._since_s = now_s
 
@@ -43,5 +43,6 @@ class QueueBlockage:
         """Seconds the queue has waited on each limit, up to `now_s`."""
         seconds = dict(self._seconds)
         if self.current is not None:
-            seconds[self.current] += max(0.0, now_s - self._since_s)
+            seconds[self.current] = (seconds.get(self.current, 0.0)
+                                     + max(0.0, now_s - self._since_s))
         return seconds

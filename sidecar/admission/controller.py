@@ -208,6 +208,7 @@ class AdmissionController:
         self._room_cache: tuple[int, float, RunningHoldings] | None = None
         # What the queue waits on (its head's limit), and how long it has on each.
         self.blockage = QueueBlockage(clock())
+        self._arrival_limit: str | None = None  # `_decide_at_arrival`'s, for `blockage`
         # The last walk of the queue (`_queue_ahead`): what it was computed from.
         self._walk_memo: tuple[tuple[int, int, str, int, tuple[float, int]],
                                RunningHoldings, _QueueAhead | None] | None = None
@@ -382,6 +383,8 @@ class AdmissionController:
             )
         waiting_for = ("KV headroom" if limit is None
                        else f"room in {self.settings.server_limits.describe(limit)}")
+        # With nothing ahead of it, what it waits on at the head of the queue (`blockage`).
+        self._arrival_limit = (KV_CACHE if not fits else limit) if ahead == 0 else None
         return cost, Decision(Outcome.QUEUED, f"waiting for {waiting_for}", None, details)
 
     def _cost(self, request: AdmissionRequest, plan: PrefixPlan) -> RequestCost:
@@ -650,7 +653,8 @@ class AdmissionController:
             deadline_s=deadline,
             payload=_Waiter(future, request, cost, self.room.queued(request, cost)),
         ))
-        self.blockage.set(self._queue_limit(now), now)
+        if self.queue.peek(now) is entry:  # a request behind the head changes nothing
+            self.blockage.set(self._arrival_limit or self._queue_limit(now), now)
         timeout = self.settings.limits.max_wait_s
         if deadline is not None:
             timeout = min(timeout, max(0.0, deadline - now - cost.deadline_prefill_s))

@@ -179,6 +179,15 @@ class CostModel:
         hit = self._fork_hit_tokens(prompt_tokens, sequences, forks_share)
         return (sequences - 1) * self._fork_groups * (hit // size) if size else 0
 
+    def server_prefill_tokens(self, prompt_tokens: int, sequences: int, cached_tokens: int,
+                              *, forks_share: bool) -> int:
+        """Prompt tokens the server prefills for all `sequences` forks when it finds the
+        first `cached_tokens` in its cache: the first fork's uncached tokens, and each
+        later fork's not found cached (where forks share, the prompt's full blocks are)."""
+        cached = max(0, min(cached_tokens, prompt_tokens - 1))
+        fork_hit = self._fork_hit_tokens(prompt_tokens, sequences, forks_share)
+        return prompt_tokens - cached + (sequences - 1) * (prompt_tokens - max(cached, fork_hit))
+
     def _fork_hit_tokens(self, prompt_tokens: int, sequences: int, forks_share: bool) -> int:
         """The prompt tokens each fork after the first finds in the prefix cache."""
         size = self._fork_block_size
@@ -218,8 +227,6 @@ class CostModel:
         worst_output = max(output_tokens, self.max_model_len - prompt_tokens)
         shared = min(shared_blocks, peak)
         spread, bucket = self.spread, load_bucket(running)
-        fork_hit = self._fork_hit_tokens(prompt_tokens, sequences, forks_share)
-        later_forks = (sequences - 1) * (prompt_tokens - max(cached, fork_hit))
         prefill_model, tpot_model = prefill * slowdown, tpot * slowdown
         prefill_p50 = prefill_model * spread.ttft_p50[bucket]
         prefill_p90 = prefill_model * spread.ttft_p90[bucket]
@@ -243,7 +250,8 @@ class CostModel:
             deadline_prefill_s=prefill_p90 if self.deadline_quantile == "p90" else prefill_p50,
             load_bucket=bucket,
             model_inputs=inputs,
-            server_prefill_tokens=prompt_tokens - cached + later_forks,
+            server_prefill_tokens=self.server_prefill_tokens(prompt_tokens, sequences, cached,
+                                                             forks_share=forks_share),
         )
 
     def model_s(self, quantity: str, inputs: ModelInputs) -> float:

@@ -160,13 +160,13 @@ class KVRoom:
 
     # ---- the running requests -------------------------------------------------------
 
-    def prefill_steps(self, cost: RequestCost, cached_tokens: int | None = None) -> int:
-        """Engine steps the server takes to prefill the request, in chunks: every fork's
-        tokens it does not find cached (`RequestCost.server_prefill_tokens`), or, given
-        `cached_tokens`, with that many of the first fork's found instead."""
-        tokens = cost.server_prefill_tokens
-        if cached_tokens is not None:
-            tokens += cost.cached_tokens - cached_tokens
+    def prefill_steps(self, request: AdmissionRequest, cached_tokens: int) -> int:
+        """Engine steps the server takes to prefill `request` when it finds its first
+        `cached_tokens` cached, in chunks: every fork's tokens it does not find cached
+        (`CostModel.server_prefill_tokens`)."""
+        tokens = self.cost_model.server_prefill_tokens(
+            request.prompt_tokens, request.sequences, cached_tokens,
+            forks_share=request.forks_share)
         return self.cost_model.lifecycle.prefill_step_count(max(1, tokens))
 
     def holding(self, ticket: Ticket, progress: int, exclusive_keys: int,
@@ -217,7 +217,7 @@ class KVRoom:
         prefills = 0
         for ticket in tickets:  # in the order they were admitted
             if ticket.first_token_s is None:
-                prefills += self.prefill_steps(ticket.cost)
+                prefills += self.prefill_steps(ticket.request, ticket.cost.cached_tokens)
             holdings.append(self.holding(ticket, progress(ticket, now),
                                          exclusive.get(ticket.key, 0), prefills))
         shared_keys = self.ledger.shared_keys - sum(exclusive.get(t.key, 0) for t in tickets)
@@ -269,7 +269,7 @@ class KVRoom:
                                             sequences, forks_share=request.forks_share) - keys)
         brought = (len(plan.keys) - plan.shared) * per_key
         offset, per_token = model.lifecycle.growth_bound(request.prompt_tokens)
-        steps = prefill_steps + self.prefill_steps(cost, plan.cached_tokens)
+        steps = prefill_steps + self.prefill_steps(request, plan.cached_tokens)
         return Holding(
             start_blocks=own_prefill + sequences * offset + brought,
             blocks_per_step=sequences * per_token,

@@ -204,6 +204,10 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
     if args.no_async_scheduling is False and args.cpu_build:
         raise ModelError("--async-scheduling with --cpu-build: vLLM's CPU build never "
                          "schedules asynchronously")
+    if (args.no_async_scheduling is False and args.num_speculative_tokens > 0
+            and args.speculative_method in (None, "ngram")):
+        raise ModelError("--async-scheduling with an n-gram drafter (--speculative-method "
+                         "ngram, or none given): vLLM refuses asynchronous scheduling with it")
     return Deployment(
         tp=args.tp,
         dtype=args.dtype,

@@ -156,6 +156,7 @@ class _Req:
         "computed",
         "d_base",
         "decoding",
+        "dropped",
         "gate_own",
         "gate_shared",
         "gen_base",
@@ -196,6 +197,9 @@ class _Req:
         self.num_tokens = spec.prompt_tokens  # to prefill: prompt + tokens generated
         self.own = 0  # blocks held, its group's shared blocks aside
         self.shared = 0  # prefix blocks it uses from its group
+        # 1 when an MTP drafter made it give up the last of its group's blocks in its hit:
+        # it holds its own copy of that block, the group's blocks less one before it.
+        self.dropped = 0
         self.last_chunk = 0
         self.last_step = -2
         self.decoding = False
@@ -739,6 +743,7 @@ class Engine:
                 self.lru.append(shared_entry)
                 group.entry = shared_entry
         req.shared = 0
+        req.dropped = 0
 
     # ---- waiting requests ----------------------------------------------------------
 
@@ -767,12 +772,18 @@ class Engine:
                 hit = prefix_hit_tokens(eligible, req.num_tokens, self.prefix_block)
             hit_blocks = hit // self.prefix_block
             own_hit = self._own_hit(req, hit_blocks)
+            dropped = 0
+            # An MTP drafter: the hit gives up its last block, computed again into the
+            # request's own. (The group's copy of that block stays held with the group's
+            # while it has requests, where vLLM frees it when its writer ends: at most
+            # one block per prefix group held too long.)
             if self.drops_last_hit:
                 if own_hit:
                     own_hit -= 1
                 elif hit_blocks:
                     hit_blocks -= 1
                     hit = hit_blocks * self.prefix_block
+                    dropped = 1
             full = self._full(req.num_tokens)
             joining = group.cached * pg if group is not None and group.refs == 0 else 0
             free = self.usable - self.held
@@ -802,6 +813,7 @@ class Engine:
                     self.held += group.cached * pg
                 group.refs += 1
             req.shared = hit_blocks
+            req.dropped = dropped
             fresh = own - own_hit * pg
             self._take(fresh)
             self.held += fresh
@@ -829,7 +841,8 @@ class Engine:
         writes its group's prefix past what the group holds extends it, and requests
         admitted later in the same step already find those blocks."""
         group = req.group
-        if group is None or req.shared != group.cached:
+        # (A hit an MTP drafter cut short still follows on from the group's last block.)
+        if group is None or req.shared + req.dropped != group.cached:
             return
         frontier = min(tokens, req.prefix_tokens) // self.prefix_block
         if frontier > group.cached:
