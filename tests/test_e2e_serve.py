@@ -12,7 +12,7 @@ import aiohttp
 import pytest
 
 from support.concurrency import RunningSampler
-from support.load import PROMPT, burst, stream_completion
+from support.load import PROMPT, burst, most_streaming_at_once, stream_completion
 from support.sidecar import Sidecar, generated_on, metric_value
 from support.vllm_server import VllmServer
 
@@ -63,7 +63,10 @@ async def test_overload_direct_preempts_and_kvgate_does_not(
     own = peak - (shares.pop() if shares else 0)
     fits_at_once = 1 + (state["admission"]["ledger"]["target_blocks"] - peak) // own
     assert fits_at_once >= 3, fits_at_once
-    assert running.max >= fits_at_once - 1, (running.samples, fits_at_once)
+    # Sampled from vLLM's gauge, or from the streams themselves: on a busy machine the
+    # sampler may get few samples (vLLM's /metrics answers slowly) and miss the peak.
+    at_once = max(running.max, most_streaming_at_once(gated))
+    assert at_once >= fits_at_once - 1, (running.samples, at_once, fits_at_once)
     ledger = state["admission"]["ledger"]
     assert ledger["reserved_blocks"] == 0 and ledger["reservations"] == 0
     assert sidecar.metric("kvgate_requests_total", 'outcome="admitted"') >= BURST // 2
