@@ -324,6 +324,7 @@ class Services:
             self.controller.set_prefix_caching(self._prefix_caching(after))
             self._update_prefix_source()
             self.controller.update_server(self._server_state(after))
+            self._note_preemptions(before, after)
         if self.calibrator is not None and self.served is not None:
             if after.restarts > before.restarts:
                 self.calibrator.server_restarted()
@@ -336,6 +337,31 @@ class Services:
             self.calibrator.observe_server(before, after, self.served, slowdown,
                                            sidecar_traffic=own)
             self.apply_calibration()
+
+    def _note_preemptions(self, before: UpstreamView, after: UpstreamView) -> None:
+        """The server preempted requests since its last scrape while kvgate enforces:
+        log what admission believed then (traffic that bypasses kvgate, a capacity that
+        is not the server's, or a request priced wrong shows in it)."""
+        old = before.metrics.preemptions_total if before.metrics else None
+        new = after.metrics.preemptions_total if after.metrics else None
+        controller = self.controller
+        if (old is None or new is None or new <= old or controller is None
+                or after.restarts != before.restarts
+                or controller.settings.mode is not Mode.ENFORCE):
+            return
+        ledger = controller.ledger
+        running = "; ".join(
+            f"{r['prompt_tokens']} prompt + {r['output_tokens']}/{r['reserved_output_tokens']}"
+            f" output tokens, {r['blocks_now']} blocks now, {r['peak_blocks']} at its peak"
+            for r in controller.request_states(limit=32))
+        used = after.metrics.used_blocks if after.metrics else None
+        log.warning(
+            "the server preempted %d request(s) since its last scrape: kvgate's view: "
+            "capacity %s blocks (target %d), %d reserved, %d held by traffic kvgate does "
+            "not see, %s used on the server, %d waiting in kvgate; %d running: %s",
+            new - old, controller.capacity_blocks, ledger.target_blocks,
+            ledger.reserved_blocks, controller.others_blocks, used, len(controller.queue),
+            controller.inflight, running or "none")
 
     def _prefix_caching(self, view: UpstreamView) -> bool:
         setting = self.settings.prefix_caching
