@@ -128,36 +128,23 @@ def test_the_heads_limit_follows_what_holds_it_and_a_request_behind_changes_noth
     asyncio.run(scenario())
 
 
-def test_the_last_waiting_request_leaving_leaves_nothing_waiting() -> None:
-    clock = FakeClock()
-    ctl = controller(num_blocks=41, clock=clock)
+@pytest.mark.parametrize("how", ["cancelled", "drained"])
+def test_the_last_waiting_request_leaving_leaves_nothing_waiting(how: str) -> None:
+    """Its client went away, or the sidecar drains: nothing waits on anything."""
+    ctl = controller(num_blocks=41, clock=FakeClock())
 
     async def scenario() -> None:
         running = await ctl.admit(AdmissionRequest(prompt_tokens=500, max_tokens=12))
         waiting = _queued(ctl, prompt_tokens=500, max_tokens=12)
         await asyncio.sleep(0)
         assert ctl.blockage.current == KV_CACHE
-        waiting.cancel()  # its client went away
-        await asyncio.gather(waiting, return_exceptions=True)
+        if how == "cancelled":
+            waiting.cancel()
+        else:
+            ctl.drain(5.0)
+        (outcome,) = await asyncio.gather(waiting, return_exceptions=True)
+        assert isinstance(outcome, asyncio.CancelledError if how == "cancelled" else Rejected)
         assert len(ctl.queue) == 0 and ctl.blockage.current is None
-        running.finish()
-
-    asyncio.run(scenario())
-
-
-def test_a_drain_leaves_nothing_waiting() -> None:
-    clock = FakeClock()
-    ctl = controller(num_blocks=41, clock=clock)
-
-    async def scenario() -> None:
-        running = await ctl.admit(AdmissionRequest(prompt_tokens=500, max_tokens=12))
-        waiting = _queued(ctl, prompt_tokens=500, max_tokens=12)
-        await asyncio.sleep(0)
-        assert ctl.blockage.current == KV_CACHE
-        ctl.drain(5.0)
-        assert ctl.blockage.current is None
-        assert isinstance((await asyncio.gather(waiting, return_exceptions=True))[0],
-                          Rejected)
         running.finish()
 
     asyncio.run(scenario())
