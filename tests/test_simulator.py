@@ -13,6 +13,7 @@ import pytest
 
 from sidecar.model import Deployment, ServedModel, custom_gpu, parse_config
 from sidecar.model.latency import Prefill
+from sidecar.model.planning import ChainCall, chain, steady_latency
 from sidecar.model.simulator import (
     ClosedLoop,
     EngineConfig,
@@ -449,8 +450,6 @@ def test_with_an_mtp_drafter_each_hit_gives_up_its_last_block() -> None:
     assert plain_found == [0, 0, 576, 1024, 1024]
     assert found == [0, 0, 576 - 16, 1024 - 16, 1024 - 16]
     # The planner's latency and chains count the same hit.
-    from sidecar.model.planning import ChainCall, chain, steady_latency
-
     plain = served()
     for with_mtp, hit in ((model, 496), (plain, 512)):
         estimate = steady_latency(with_mtp, 600, 10, 1, cached_tokens=512)

@@ -735,7 +735,7 @@ class AdmissionController:
         """Admit waiting requests, in policy order, while the head fits; a head that
         fits too late to make its TTFT target is refused instead."""
         if self.settings.mode is Mode.SHADOW or self._draining or not self.server.available:
-            self.blockage.set(self._queue_limit(self.clock()), self.clock())
+            self.blockage.set(None, self.clock())  # nothing waits on a limit then
             return
         while len(self.queue):
             now = self.clock()
@@ -745,8 +745,7 @@ class AdmissionController:
             head = cast(_Waiter, entry.payload)
             # What the head shares is looked up now: it may have changed while it waited.
             plan = self._plan(head.request)
-            limit = (KV_CACHE if not self._fits_now(head.request, head.cost, plan)
-                     else self._server_refusal(head.request))
+            limit = self._head_limit(head, plan)
             if limit is not None:
                 self.blockage.set(limit, now)
                 return
@@ -783,7 +782,11 @@ class AdmissionController:
         if entry is None:
             return None
         head = cast(_Waiter, entry.payload)
-        if not self._fits_now(head.request, head.cost, self._plan(head.request)):
+        return self._head_limit(head, self._plan(head.request))
+
+    def _head_limit(self, head: _Waiter, plan: PrefixPlan) -> str | None:
+        """What keeps the queue's head out now: the KV cache, a server limit, or None."""
+        if not self._fits_now(head.request, head.cost, plan):
             return KV_CACHE
         return self._server_refusal(head.request)
 

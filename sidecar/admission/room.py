@@ -160,14 +160,10 @@ class KVRoom:
 
     # ---- the running requests -------------------------------------------------------
 
-    def prefill_steps(self, request: AdmissionRequest, cached_tokens: int) -> int:
-        """Engine steps the server takes to prefill `request` when it finds its first
-        `cached_tokens` cached, in chunks: every fork's tokens it does not find cached
-        (`CostModel.server_prefill_tokens`)."""
-        tokens = self.cost_model.server_prefill_tokens(
-            request.prompt_tokens, request.sequences, cached_tokens,
-            forks_share=request.forks_share)
-        return self.cost_model.lifecycle.prefill_step_count(max(1, tokens))
+    def prefill_steps(self, prefill_tokens: int) -> int:
+        """Engine steps the server takes to prefill `prefill_tokens` (every fork's tokens
+        it does not find cached: `RequestCost.server_prefill_tokens`), in chunks."""
+        return self.cost_model.lifecycle.prefill_step_count(max(1, prefill_tokens))
 
     def holding(self, ticket: Ticket, progress: int, exclusive_keys: int,
                 prefill_steps: int) -> Holding:
@@ -217,7 +213,7 @@ class KVRoom:
         prefills = 0
         for ticket in tickets:  # in the order they were admitted
             if ticket.first_token_s is None:
-                prefills += self.prefill_steps(ticket.request, ticket.cost.cached_tokens)
+                prefills += self.prefill_steps(ticket.cost.server_prefill_tokens)
             holdings.append(self.holding(ticket, progress(ticket, now),
                                          exclusive.get(ticket.key, 0), prefills))
         shared_keys = self.ledger.shared_keys - sum(exclusive.get(t.key, 0) for t in tickets)
@@ -269,7 +265,10 @@ class KVRoom:
                                             sequences, forks_share=request.forks_share) - keys)
         brought = (len(plan.keys) - plan.shared) * per_key
         offset, per_token = model.lifecycle.growth_bound(request.prompt_tokens)
-        steps = prefill_steps + self.prefill_steps(request, plan.cached_tokens)
+        # Priced on what it finds cached now (a queued request: nothing).
+        steps = prefill_steps + self.prefill_steps(model.server_prefill_tokens(
+            request.prompt_tokens, sequences, plan.cached_tokens,
+            forks_share=request.forks_share))
         return Holding(
             start_blocks=own_prefill + sequences * offset + brought,
             blocks_per_step=sequences * per_token,
