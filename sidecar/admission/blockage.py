@@ -33,6 +33,8 @@ class QueueBlockage:
     def set(self, limit: str | None, now_s: float) -> None:
         """From `now_s` on the queue waits on `limit` (None: on nothing; a limit not
         among `LIMITS` is counted under its own name)."""
+        if limit is None and self.current is None:
+            return  # nothing waited, nothing waits: no change
         if self.current is not None:
             self._seconds[self.current] = (self._seconds.get(self.current, 0.0)
                                            + max(0.0, now_s - self._since_s))

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal, NamedTuple
 
+from sidecar.admission.quick_init import quick_init
 from sidecar.model import ServedModel
 from sidecar.model.latency import LOAD_BUCKETS, PRIOR_P90_RATIO, load_bucket
 
@@ -66,6 +67,7 @@ class ModelInputs(NamedTuple):
     ahead_tokens: int = 0  # admitted prompts' tokens the server prefills before this one
 
 
+@quick_init
 @dataclass(frozen=True)
 class RequestCost:
     prompt_tokens: int
@@ -221,8 +223,8 @@ class CostModel:
         inputs = ModelInputs(prompt_tokens - cached, cached, running, mean_context,
                              running + sequences, mean_context or total, slowdown,
                              max(0, ahead_tokens))
-        prefill, tpot = self._model_s(inputs)
         own_prefill = self.prefill_s(prompt_tokens - cached, running, mean_context, cached)
+        prefill, tpot = self._model_s(inputs, own_prefill)
         peak = self.peak_blocks(prompt_tokens, output_tokens, sequences, forks_share=forks_share)
         worst_output = max(output_tokens, self.max_model_len - prompt_tokens)
         shared = min(shared_blocks, peak)
@@ -258,17 +260,18 @@ class CostModel:
         """This model's own (p50 before the spread) TTFT ("ttft": the wait for the
         running requests' steps and the prefill) or TPOT ("tpot") of a request priced
         from `inputs`, the others' load included."""
-        prefill, tpot = self._model_s(inputs)
+        prefill, tpot = self._model_s(inputs, self.prefill_s(
+            inputs.prefilled_tokens, inputs.running, inputs.mean_context, inputs.cached_tokens))
         return (prefill if quantity == "ttft" else tpot) * inputs.slowdown
 
-    def _model_s(self, inputs: ModelInputs) -> tuple[float, float]:
+    def _model_s(self, inputs: ModelInputs, own_prefill_s: float) -> tuple[float, float]:
         """The TTFT from the server's taking the request in (the running requests' steps
         it waits for, the prompts ahead, its own prefill) and the TPOT. With prompts
         ahead, the steps it waits for are theirs, in their prefill already: the TTFT is
         the longer of that prefill with theirs and its own after the steps in flight
-        (a prompt ahead never makes a request's first token sooner)."""
-        own_s = self.pickup_s(inputs.running, inputs.mean_context) + self.prefill_s(
-            inputs.prefilled_tokens, inputs.running, inputs.mean_context, inputs.cached_tokens)
+        (a prompt ahead never makes a request's first token sooner). `own_prefill_s`:
+        `prefill_s` of its own inputs."""
+        own_s = self.pickup_s(inputs.running, inputs.mean_context) + own_prefill_s
         if inputs.ahead_tokens:
             own_s = max(own_s, self.prefill_s(inputs.prefilled_tokens + inputs.ahead_tokens,
                                               inputs.running, inputs.mean_context,

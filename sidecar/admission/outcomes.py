@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from sidecar.admission.quick_init import quick_init
+
 
 class Outcome(StrEnum):
     ADMITTED = "admitted"
@@ -50,6 +52,7 @@ SHADOW_OUTCOMES: tuple[Outcome, ...] = (
 Detail = int | float | str | None
 
 
+@quick_init
 @dataclass(frozen=True)
 class Decision:
     outcome: Outcome

@@ -45,6 +45,8 @@ from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from sidecar.admission.quick_init import quick_init
+
 ROOT_KEY = b"kvgate-prefix-root"
 _KEY_BYTES = 16
 TOKEN_BYTES = 8  # each token id as a signed 64-bit integer ("q")
@@ -228,6 +230,7 @@ class TrafficCache:
         self._entries.clear()
 
 
+@quick_init
 @dataclass(frozen=True)
 class PrefixPlan:
     """How one request's prompt blocks relate to the admitted requests' and the

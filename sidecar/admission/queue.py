@@ -234,6 +234,8 @@ class AdmissionQueue:
         """The requests served before a new one of `band` arriving at `now_s`: those of
         bands as important, and those of less important bands the priority policy
         serves first (starved past its bound)."""
+        if not self._size:
+            return 0
         return sum(b.size for b in self._bands_before(band, now_s))
 
     def _bands_before(self, band: int, now_s: float) -> list[_Band]:

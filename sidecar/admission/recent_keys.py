@@ -73,6 +73,10 @@ class RecentKeys:
         if recent is not None:
             self._bytes -= len(recent[0])
             recent_data, recent_keys = recent
+            if recent_data is data or recent_data == data:  # the same prompt again
+                self.reused_blocks += len(recent_keys)
+                self._remember(first, data, recent_keys)
+                return recent_keys
             known = recent_keys[:common_blocks(recent_data, data, step,
                                                min(len(recent_keys), full))]
             self.reused_blocks += len(known)

@@ -112,7 +112,8 @@ class KVRoom:
                     alone += 1
                 continue
             holding[mine] = ticket
-            self._settle_owner(key, holding)  # shared now: whoever owned it no longer does
+            if key in owners:  # shared now: whoever owned it no longer does
+                self._settle_owner(key, holding)
         self._exclusive[mine] = alone
 
     def finished(self, ticket: Ticket) -> None:
@@ -125,11 +126,11 @@ class KVRoom:
             if holding is None:
                 continue
             holding.pop(mine, None)
-            if holding:
-                self._settle_owner(key, holding)  # one left may own it now
-            else:
+            if not holding:
                 del by_key[key]
                 owners.pop(key, None)  # only it ran with the block: it was the owner
+            elif len(holding) == 1 or key in owners:
+                self._settle_owner(key, holding)  # one left may own it now
         self._exclusive.pop(mine, None)
 
     def _settle_owner(self, key: bytes, holding: dict[int, Ticket]) -> None:

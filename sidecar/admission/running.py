@@ -16,8 +16,10 @@ from sidecar.admission.cost import RequestCost
 from sidecar.admission.ledger import Ledger, Reservation
 from sidecar.admission.outcomes import Outcome
 from sidecar.admission.prefix import PrefixPlan
+from sidecar.admission.quick_init import quick_init
 
 
+@quick_init
 @dataclass(frozen=True)
 class AdmissionRequest:
     prompt_tokens: int

@@ -211,7 +211,9 @@ def _values(entry: RequestRecord, response: web.StreamResponse | None, ended_s: 
             outcome: str | None) -> list[Value]:
     """The line's values, in the order of FIELDS (after `time`)."""
     admission, ticket = entry.admission, entry.ticket
-    decision = response.get(DECISION) if response is not None else None
+    # An admitted request's figures are its ticket's (below): no decision to look up.
+    decision = (response.get(DECISION) if response is not None
+                and (ticket is None or admission is None) else None)
     details = decision.details if decision is not None else {}
     kv_blocks: Value = details.get("kv_blocks")
     queue_wait: Value = details.get("waited_s")
@@ -297,12 +299,24 @@ def _number(value: Value) -> str:
     return str(value)
 
 
+# Quoted strings already seen (routes, tenants, outcomes, ends repeat), bounded: tenants
+# come from clients.
+_QUOTED: dict[str, str] = {}
+_QUOTED_MAX = 4096
+
+
 def _text(value: Value) -> str:
     """A JSON string; the ids, tenants and names kvgate checked need no escaping."""
     if value is None:
         return "null"
     if isinstance(value, str):
-        return f'"{value}"' if _SAFE.fullmatch(value) else json.dumps(value)
+        quoted = _QUOTED.get(value)
+        if quoted is None:
+            quoted = f'"{value}"' if _SAFE.fullmatch(value) else json.dumps(value)
+            if len(_QUOTED) >= _QUOTED_MAX:
+                _QUOTED.clear()
+            _QUOTED[value] = quoted
+        return quoted
     return _number(value)
 
 

@@ -11,6 +11,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from sidecar.admission.quick_init import quick_init
 from sidecar.server.requests import BadRequest
 
 PRIORITY = "x-kvgate-priority"
@@ -24,6 +25,7 @@ _NUMBER = re.compile(r"[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?")
 DEFAULT_TENANT = "default"
 
 
+@quick_init
 @dataclass(frozen=True)
 class Steering:
     band: int

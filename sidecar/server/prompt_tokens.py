@@ -63,9 +63,10 @@ def _payload_chars(payload: Mapping[str, Any]) -> int:
 def _cache_key(payload: Mapping[str, Any]) -> Hashable:
     """What identifies a payload's tokens: its items when every value is a string, a
     boolean or None (a completion's), else its JSON with sorted keys."""
-    if all(value is None or isinstance(value, str | bool) for value in payload.values()):
-        return tuple(sorted(payload.items()))
-    return json.dumps(payload, sort_keys=True, default=str)
+    for value in payload.values():
+        if value is not None and not isinstance(value, (str, bool)):
+            return json.dumps(payload, sort_keys=True, default=str)
+    return tuple(sorted(payload.items()))
 
 
 class PromptCounter:

@@ -193,8 +193,11 @@ async def _read_body(request: Incoming) -> bytes | web.Response:
 
 async def generation(request: Incoming) -> web.StreamResponse:
     services = request.app[SERVICES]
-    with services.tracking_request():
+    services.request_started()
+    try:
         return await _generation(request, services)
+    finally:
+        services.request_ended()
 
 
 async def _generation(request: Incoming, services: Services) -> web.StreamResponse:
@@ -245,13 +248,16 @@ async def _generation(request: Incoming, services: Services) -> web.StreamRespon
 
 async def passthrough(request: web.Request) -> web.StreamResponse:
     services = request.app[SERVICES]
-    with services.tracking_request():
+    services.request_started()
+    try:
         raw = await _read_body(request)
         if isinstance(raw, web.Response):
             return raw
         if services.draining:
             return _draining(services)
         return await forward(request, raw, services)
+    finally:
+        services.request_ended()
 
 
 async def forward(
@@ -307,10 +313,11 @@ async def forward(
             running.discard(task)
         if ticket is not None:
             counter.finish()
-            ticket.finish(counter.tokens if counter.tokens else None, completed=relay.completed)
+            tokens = counter.tokens
+            ticket.finish(tokens if tokens else None, completed=relay.completed)
             if relay.completed:
                 _observe(services, ticket, gen, arrived_at or sent_at, sent_at, relay.first_at,
-                         counter, batch_at_start)
+                         tokens, batch_at_start)
 
 
 class _Relay:
@@ -445,7 +452,7 @@ def _settle(services: Services, upstream: ForwardResponse, relay: _Relay) -> Non
 
 
 def _observe(services: Services, ticket: Ticket, gen: GenerationRequest | None,
-             arrived_at: float, sent_at: float, first_at: float | None, counter: TokenCounter,
+             arrived_at: float, sent_at: float, first_at: float | None, output_tokens: int,
              batch_at_start: int) -> None:
     services.observe_completion(
         ticket,
@@ -454,6 +461,6 @@ def _observe(services: Services, ticket: Ticket, gen: GenerationRequest | None,
         sent_at=sent_at,
         first_token_at=first_at,
         ended_at=time.monotonic(),
-        output_tokens=counter.tokens,
+        output_tokens=output_tokens,
         batch_at_start=batch_at_start,
     )

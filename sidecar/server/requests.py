@@ -16,6 +16,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sidecar.admission.quick_init import quick_init
+
 ROUTES = {
     "/v1/chat/completions": "chat",
     "/v1/completions": "completions",
@@ -38,6 +40,7 @@ class BadRequest(ValueError):
         self.param = param
 
 
+@quick_init
 @dataclass(frozen=True)
 class GenerationRequest:
     route: str
@@ -133,7 +136,10 @@ def _messages(value: object, name: str) -> list[dict[str, Any]]:
 
 def parse_body(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
+        # A body opening with "{" is UTF-8 to json.loads (no BOM, no UTF-16/32 zero
+        # byte): decoded here as it would, without its encoding detection.
+        body = (json.loads(raw.decode("utf-8", "surrogatepass"))
+                if raw[:1] == b"{" and raw[1:2] != b"\0" else json.loads(raw))
     except UnicodeDecodeError as exc:
         raise BadRequest("request body is not valid JSON (not UTF-8)") from exc
     except json.JSONDecodeError as exc:

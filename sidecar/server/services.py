@@ -10,12 +10,11 @@ server comes back different, and answers the metrics collector.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
 import operator
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -271,17 +270,17 @@ class Services:
                         "kvgate the server's %s so that it keeps its requests within it",
                         flag, flag)
 
-    @contextlib.contextmanager
-    def tracking_request(self) -> Iterator[None]:
-        """Count a proxied request while it runs (the drain waits for zero)."""
+    def request_started(self) -> None:
+        """Count a proxied request while it runs (the drain waits for zero); each is
+        followed by one `request_ended` (a plain pair, not a context manager: it is on
+        every request's path)."""
         self.active_requests += 1
         self.idle.clear()
-        try:
-            yield
-        finally:
-            self.active_requests -= 1
-            if self.active_requests == 0:
-                self.idle.set()
+
+    def request_ended(self) -> None:
+        self.active_requests -= 1
+        if self.active_requests == 0:
+            self.idle.set()
 
     def attach(self, client: Engine, watcher: UpstreamWatcher) -> None:
         """Called in the event loop that will serve requests."""
@@ -554,7 +553,7 @@ class Services:
     def _idle(self, view: UpstreamView) -> bool:
         """The server computed nothing since the last scrape and nothing kvgate sent it
         is running (a long step of kvgate's own requests keeps the observed use)."""
-        return server_idle(view) and (self.controller is None or self.controller.inflight == 0)
+        return (self.controller is None or self.controller.inflight == 0) and server_idle(view)
 
     def _apply_spread(self, now: float) -> None:
         """The spread's latest factors on the predictions, when they moved and the last
