@@ -984,7 +984,7 @@ class AdmissionController:
         """Blocks the server may have held for a request kvgate just saw finish: its
         own, and the prompt blocks no running request holds (once released)."""
         counts = self.ledger.holder_counts
-        still_held = sum(1 for key in ticket.reservation.keys if key in counts)
+        still_held = sum(map(counts.__contains__, ticket.reservation.keys))
         held = self._blocks_now(ticket, self._server_progress(ticket, now))
         return max(0, held - still_held * self.ledger.blocks_per_key)
 

@@ -35,7 +35,9 @@ class TokenCounter:
     def feed(self, chunk: bytes) -> int:
         """Consume a chunk; return how many token events it completed."""
         if not self.stream:
-            self._tail = (self._tail + chunk)[-_TAIL_BYTES:]
+            # A body's first chunk is usually all of it: kept as it is, no copy.
+            self._tail = (chunk if not self._tail and len(chunk) <= _TAIL_BYTES
+                          else (self._tail + chunk)[-_TAIL_BYTES:])
             return 0
         data = self._partial + chunk
         lines = data.split(b"\n")
