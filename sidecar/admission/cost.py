@@ -136,6 +136,8 @@ class CostModel:
                      and not served.deployment.drops_last_prefix_hit)
         self._fork_block_size = layout.prefix_block_size if shareable else None
         self._fork_groups = layout.prefix_groups
+        # What a request's shape alone decides (`_shape_uncached`), looked up once.
+        self._shape = lru_cache(maxsize=65_536)(self._shape_uncached)
 
     @property
     def block_size(self) -> int:
@@ -225,8 +227,8 @@ class CostModel:
                              max(0, ahead_tokens))
         own_prefill = self.prefill_s(prompt_tokens - cached, running, mean_context, cached)
         prefill, tpot = self._model_s(inputs, own_prefill)
-        peak = self.peak_blocks(prompt_tokens, output_tokens, sequences, forks_share=forks_share)
-        worst_output = max(output_tokens, self.max_model_len - prompt_tokens)
+        peak, worst_peak, server_prefill = self._shape(prompt_tokens, output_tokens, sequences,
+                                                       cached, forks_share)
         shared = min(shared_blocks, peak)
         spread, bucket = self.spread, load_bucket(running)
         prefill_model, tpot_model = prefill * slowdown, tpot * slowdown
@@ -237,8 +239,7 @@ class CostModel:
             output_tokens=output_tokens,
             sequences=sequences,
             kv_blocks=peak - shared,
-            worst_case_blocks=self.peak_blocks(prompt_tokens, worst_output, sequences,
-                                               forks_share=forks_share) - shared,
+            worst_case_blocks=worst_peak - shared,
             prefill_flops=self._flops_per_token * (prompt_tokens - cached),
             prefill_s=prefill_p50,
             prefill_work_s=self._engine_work_s(own_prefill),
@@ -252,9 +253,20 @@ class CostModel:
             deadline_prefill_s=prefill_p90 if self.deadline_quantile == "p90" else prefill_p50,
             load_bucket=bucket,
             model_inputs=inputs,
-            server_prefill_tokens=self.server_prefill_tokens(prompt_tokens, sequences, cached,
-                                                             forks_share=forks_share),
+            server_prefill_tokens=server_prefill,
         )
+
+    def _shape_uncached(self, prompt_tokens: int, output_tokens: int, sequences: int,
+                        cached: int, forks_share: bool) -> tuple[int, int, int]:
+        """A request's peak blocks, its peak if every sequence ran to max_model_len, and
+        the prompt tokens the server prefills for it (`cached` of them prefix hits)."""
+        worst_output = max(output_tokens, self.max_model_len - prompt_tokens)
+        return (self.peak_blocks(prompt_tokens, output_tokens, sequences,
+                                 forks_share=forks_share),
+                self.peak_blocks(prompt_tokens, worst_output, sequences,
+                                 forks_share=forks_share),
+                self.server_prefill_tokens(prompt_tokens, sequences, cached,
+                                           forks_share=forks_share))
 
     def model_s(self, quantity: str, inputs: ModelInputs) -> float:
         """This model's own (p50 before the spread) TTFT ("ttft": the wait for the
