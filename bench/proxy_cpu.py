@@ -86,14 +86,17 @@ def _one(target: str, tmp: Path, upstream: str, tokenizer: Path, wrk: str,
         used = cpu_seconds(process.proc.pid) - before
     finally:
         process.stop()
-    requests = measured["throughput_rps"] * args.duration
-    if requests <= 0 or measured.get("errors"):
-        raise BenchError(f"{target}: {measured}")
-    return 1e6 * used / requests, measured["throughput_rps"]
+    # Only whole successful answers count: an error costs less than a proxied answer.
+    if measured["requests"] <= 0 or measured["non_2xx"] or measured["socket_errors"]:
+        raise BenchError(f"{target}: errors under load: {measured}")
+    return 1e6 * used / measured["requests"], measured["throughput_rps"]
 
 
 def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    record = provenance("bench/proxy_cpu.py")  # dated at the start, as every benchmark
     checkouts = [str(Path(c).resolve()) for c in args.checkout] or [str(ROOT)]
+    if len(set(checkouts)) != len(checkouts):
+        raise BenchError("a checkout is given twice")
     for checkout in checkouts:
         if not (Path(checkout) / "sidecar" / "__main__.py").is_file():
             raise BenchError(f"--checkout {checkout}: not a kvgate checkout")
@@ -119,13 +122,14 @@ def benchmark(args: argparse.Namespace) -> dict[str, Any]:
                     runs[target].append(_one(target, tmp, url, tokenizer, wrk, args))
         finally:
             upstream.stop()
-    return provenance(__file__) | {
+    return record | {
         "benchmark": "proxy_cpu",
         "setup": {"rounds": args.rounds, "duration_s": args.duration, "stream": args.stream,
                   "unique": args.unique, "connections": CONNECTIONS},
         "targets": [{
             "target": target,
-            "revision": None if target == BARE else kvgate_revision(Path(target)).get("commit"),
+            # The commit, and whether sidecar/ differs from it (a hash of its sources).
+            "revision": None if target == BARE else kvgate_revision(Path(target)),
             "cpu_us_per_request": [round(us, 1) for us, _ in runs[target]],
             "requests_per_s": [round(rps) for _, rps in runs[target]],
         } for target in targets],
@@ -142,8 +146,12 @@ def print_report(report: dict[str, Any]) -> None:
     rows = []
     for entry in report["targets"]:
         cpu, rps = entry["cpu_us_per_request"], entry["requests_per_s"]
-        rows.append([entry["target"] if entry["revision"] is None
-                     else f"kvgate {entry['revision']}", f"{statistics.median(cpu):.1f}",
+        revision = entry["revision"]
+        if isinstance(revision, str):  # the first results kept only the commit
+            revision = {"commit": revision}
+        name = (entry["target"] if revision is None else f"kvgate {revision.get('commit')}"
+                + (" (+ uncommitted)" if revision.get("sidecar_uncommitted_changes") else ""))
+        rows.append([name, f"{statistics.median(cpu):.1f}",
                      " / ".join(f"{v:.1f}" for v in cpu), f"{statistics.median(rps):.0f}"])
     print(render_table(["target", "CPU us / request (median)", "each round", "req/s (median)"],
                        rows))
@@ -172,4 +180,4 @@ def parse_args() -> argparse.Namespace:
 
 
 if __name__ == "__main__":
-    raise SystemExit(benchmark_main(__file__, parse_args, benchmark, print_report))
+    raise SystemExit(benchmark_main("bench/proxy_cpu.py", parse_args, benchmark, print_report))

@@ -74,6 +74,15 @@ def test_a_default_factory_gives_each_instance_its_own_value() -> None:
 
 
 def test_still_frozen_and_the_signature_is_kept() -> None:
+    import inspect
+    import typing
+
+    for cls in (Decision, RequestCost, GenerationRequest):
+        original = cls.__dataclass_init__  # type: ignore[attr-defined]
+        # As text: a default factory's marker is another object, shown alike.
+        assert str(inspect.signature(cls.__init__)) == str(inspect.signature(original))
+        assert typing.get_type_hints(cls.__init__) == typing.get_type_hints(original)
+        assert cls.__init__.__module__ == original.__module__
     decision = Decision(Outcome.ADMITTED, "fits")
     with pytest.raises(dataclasses.FrozenInstanceError):
         decision.reason = "changed"  # type: ignore[misc]
@@ -126,6 +135,12 @@ def test_what_it_cannot_build_is_refused_when_defined() -> None:
         @dataclass(frozen=True, kw_only=True)
         class Named:
             a: int
+
+    with pytest.raises(TypeError, match="a name its __init__ uses"):
+        @quick_init
+        @dataclass(frozen=True)
+        class Clashing:
+            stored: int
 
     with pytest.raises(TypeError, match="do not make its __init__"):
         @quick_init

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import sys
 from typing import Any, TypeVar
 
 _Class = TypeVar("_Class", bound=type)
@@ -31,6 +32,8 @@ class _Factory:
 
 
 _FACTORY = _Factory()
+# The generated code's own names: a field may not take one.
+_RESERVED = frozenset({"self", "stored", "_FACTORY"})
 
 
 def quick_init(cls: _Class) -> _Class:
@@ -45,6 +48,8 @@ def quick_init(cls: _Class) -> _Class:
     body: list[str] = ["    stored = self.__dict__"]
     for field in dataclasses.fields(cls):
         name = field.name
+        if name in _RESERVED or name.startswith(("_factory_", "_default_")):
+            raise TypeError(f"quick_init: {cls.__name__}.{name} is a name its __init__ uses")
         if field.kw_only:
             raise TypeError(f"quick_init: {cls.__name__}.{name} is keyword-only")
         has_factory = field.default_factory is not dataclasses.MISSING
@@ -70,12 +75,20 @@ def quick_init(cls: _Class) -> _Class:
     names = [parameter.partition("=")[0] for parameter in parameters]
     if names != list(inspect.signature(cls.__dict__["__init__"]).parameters)[1:]:
         raise TypeError(f"quick_init: {cls.__name__}'s fields do not make its __init__")
-    source = f"def __init__(self, {', '.join(parameters)}):\n" + "\n".join(body) + "\n"
-    exec(source, namespace)
-    init = namespace["__init__"]
+    # As the dataclass makes its own: in the class's module's globals (its annotations
+    # resolve there), the defaults and factories the closure of a maker function, so
+    # that nothing is added to the module.
+    inner = "\n".join(f"    {line}" for line in
+                      [f"def __init__(self, {', '.join(parameters)}):", *body])
+    source = (f"def __make_init__({', '.join(namespace)}):\n{inner}\n"
+              "    return __init__\n")
+    makers: dict[str, Any] = {}
+    exec(source, sys.modules[cls.__module__].__dict__, makers)
+    init = makers["__make_init__"](**namespace)
     init.__qualname__ = f"{cls.__qualname__}.__init__"
     original = cls.__dict__["__init__"]
     init.__doc__ = original.__doc__
+    init.__annotations__ = dict(original.__annotations__)  # for inspect and get_type_hints
     setattr(cls, "__dataclass_init__", original)  # noqa: B010  (not an attribute mypy knows)
     setattr(cls, "__init__", init)  # noqa: B010
     return cls
