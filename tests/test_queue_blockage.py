@@ -164,4 +164,3 @@ def test_the_limits_are_exported_with_every_label_initialised() -> None:
     assert 'kvgate_queue_blocked_seconds_total{limit="kv_cache"} 4.5' in text
     for limit in LIMITS:
         assert f'kvgate_queue_blocked_seconds_total{{limit="{limit}"}}' in text
-
