@@ -174,6 +174,8 @@ class Echo:
             except asyncio.CancelledError:
                 self.cancelled += 1
                 raise
+        if body == b"slow":
+            await asyncio.sleep(0.5)  # longer than the idle timeout of its scenario
         if body == b"empty":
             return web.Response(status=204 if request.headers.get("x-a") else 499)
         if body == b"stream-then-fail" and isinstance(request, LeanRequest):
@@ -340,6 +342,23 @@ async def idle_connections_close(door: FrontDoor, echo: Echo) -> None:
     assert not door.connections
 
 
+async def idle_is_counted_from_the_last_answer(door: FrontDoor, echo: Echo) -> None:
+    # A request answered just before the idle timeout, and one that starts just before
+    # it and runs past it: the connection stays open for the whole timeout after each
+    # answer.
+    loop = asyncio.get_running_loop()
+    for body, before_s in ((BODY, 0.15), (b"slow", 0.2)):
+        reader, writer = await connect(door)
+        await asyncio.sleep(before_s)
+        writer.write(post(body))
+        assert (await read_answer(reader))[0] == 200
+        answered_at = loop.time()
+        assert await asyncio.wait_for(reader.read(), 5) == b""
+        assert loop.time() - answered_at >= 0.3 - 0.01  # never early (a busy loop is late)
+        writer.close()
+    assert not door.connections
+
+
 async def stop_cancels_what_still_runs(door: FrontDoor, echo: Echo) -> None:
     reader, writer = await connect(door)
     idle_reader, idle_writer = await connect(door)
@@ -359,6 +378,8 @@ SCENARIOS: dict[str, tuple[Callable[[FrontDoor, Echo], Awaitable[None]], dict[st
     "answers without a body": (answers_without_a_body, {}),
     "streams, close and cancel": (streams_close_and_cancel, {}),
     "idle connections": (idle_connections_close, {"idle_timeout_s": 0.3}),
+    "idle after the last answer": (idle_is_counted_from_the_last_answer,
+                                   {"idle_timeout_s": 0.3}),
     "stop": (stop_cancels_what_still_runs, {}),
 }
 

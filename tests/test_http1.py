@@ -231,6 +231,35 @@ async def test_silence_is_a_timeout_before_and_after_the_head(
     response.close()
 
 
+async def test_each_wait_has_its_own_read_timeout(server: tuple[Script, Http1Pool]) -> None:
+    # One timer per connection checks the read timeout: a wait that began after the one
+    # it was armed for still gets its whole timeout, a shorter timeout is kept, and a
+    # wait without one is never cut by a timer left from before.
+    script, pool = server
+    script.pause_s = 0.3
+    loop = asyncio.get_running_loop()
+    answer = ok(b"0123456789")
+    timeouts_s = (0.5, 0.5, 0.15, None)
+    # Three pieces 0.3 s apart: the wait for the last begins before the timer armed by
+    # the one before it fires.
+    script.answers.extend(([answer[:-5], answer[-5:-2], answer[-2:]], False)
+                          for _ in timeouts_s)
+    for timeout_s in timeouts_s:
+        response = await pool.request("POST", "/x", [], b"{}", timeout_s)
+        assert await response.read_chunk() == b"01234"
+        if timeout_s is not None and timeout_s < script.pause_s:
+            started = loop.time()
+            with pytest.raises(UpstreamTimeout):
+                await response.read_chunk()
+            assert loop.time() - started >= timeout_s - 0.01
+            response.close()
+            continue
+        assert await response.read() == b"56789"  # 0.3 s silences: within its timeout
+        response.close()
+        await asyncio.sleep(0.3)  # the connection's timer outlives the wait it was armed for
+    assert len(script.requests) == 4
+
+
 async def test_a_body_cut_short_is_broken(server: tuple[Script, Http1Pool]) -> None:
     script, pool = server
     script.answers.append(([ok(b"0123456789")[:-4]], True))

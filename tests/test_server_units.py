@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sidecar.server.client_headers import parse_priority, parse_steering, parse_tenant
@@ -183,6 +184,51 @@ def test_sse_token_counting_across_chunk_boundaries() -> None:
         counter.feed(events[i:i + 5])
     assert counter.events == 7 and counter.tokens == 7
     assert counter.usage_tokens == 7
+
+
+def _events_by_payload(stream: bytes) -> tuple[int, int | None]:
+    """What a stream's `data:` lines say, read one payload at a time (the reference)."""
+    events, usage_tokens = 0, None
+    for line in stream.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if not payload or payload == b"[DONE]":
+            continue
+        usage = re.search(rb'"(?:completion_tokens|output_tokens)"\s*:\s*(\d+)', payload)
+        if (b'"usage"' in payload and usage is not None
+                and b'"choices":[]' in payload.replace(b" ", b"")):
+            usage_tokens = int(usage.group(1))
+        elif b'"delta"' in payload or b'"choices"' in payload:
+            events += 1
+    return events, usage_tokens
+
+
+_SSE_LINES = [
+    b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}',
+    b'data:{"choices":[{"text":"y"}]}',
+    b"data: \t{\"choices\": [], \"usage\": {\"completion_tokens\": 12}} \r",
+    b'data: {"choices":[],"usage":{"output_tokens":5}}',
+    b'data: {"choices":[{"delta":{}}],"usage":{"completion_tokens":3}}',
+    b'data: {"usage": null, "choices": [{"delta": {"content": "\\"usage\\""}}]}',
+    b"data: [DONE]", b"data:", b"data:   ", b": a comment", b"event: message", b"",
+    b'{"choices":[{"delta":{}}]}', b"data: {}",
+]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(_SSE_LINES), max_size=30),
+       st.lists(st.integers(1, 40), min_size=1, max_size=10))
+def test_stream_tokens_are_counted_as_each_payload_says(lines: list[bytes],
+                                                        cuts: list[int]) -> None:
+    stream = b"".join(line + b"\n" for line in lines)
+    counter = TokenCounter(stream=True, sequences=1)
+    at, turn = 0, 0
+    while at < len(stream):  # fed in pieces cut anywhere
+        size = cuts[turn % len(cuts)]
+        counter.feed(stream[at:at + size])
+        at, turn = at + size, turn + 1
+    assert (counter.events, counter.usage_tokens) == _events_by_payload(stream)
 
 
 def test_non_stream_usage_from_the_body_tail() -> None:

@@ -45,17 +45,18 @@ class TokenCounter:
         if len(self._partial) > _TAIL_BYTES:  # a pathological line: stop tracking it
             self._partial = b""
         before = self.events
+        # Each `data:` line is searched whole: its prefix and the blanks around its
+        # payload hold none of the quoted names, so nothing matches there ("[DONE]" and
+        # an empty payload match nothing either), and no copy of the payload is made.
         for line in lines:
             if not line.startswith(b"data:"):
                 continue
-            payload = line[5:].strip()
-            if not payload or payload == b"[DONE]":
-                continue
-            usage = _USAGE.search(payload) if b'"usage"' in payload else None
-            if usage is not None and b'"choices":[]' in payload.replace(b" ", b""):
-                self.usage_tokens = int(usage.group(1))
-                continue
-            if b'"delta"' in payload or b'"choices"' in payload:
+            if b'"usage"' in line:
+                usage = _USAGE.search(line)
+                if usage is not None and b'"choices":[]' in line.replace(b" ", b""):
+                    self.usage_tokens = int(usage.group(1))
+                    continue
+            if b'"delta"' in line or b'"choices"' in line:
                 self.events += 1
         return self.events - before
 
