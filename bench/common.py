@@ -326,14 +326,16 @@ def machine_info() -> dict[str, Any]:
 
 def kvgate_revision(root: Path = ROOT) -> dict[str, Any]:
     """Which kvgate was measured (this checkout's, or `root`'s): the commit, whether
-    sidecar/ differs from it, and a hash of sidecar/'s Python sources (identifies
-    uncommitted code too)."""
+    sidecar/ differs from it, a hash of sidecar/'s Python sources (identifies
+    uncommitted code too), and how many of its modules are built compiled in place
+    (setup.py, KVGATE_COMPILE=1; 0: pure Python)."""
     import hashlib
 
     digest = hashlib.sha256()
     for path in sorted((root / "sidecar").rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    info: dict[str, Any] = {"sidecar_sources_sha256": digest.hexdigest()[:16]}
+    info: dict[str, Any] = {"sidecar_sources_sha256": digest.hexdigest()[:16],
+                            "compiled_modules": len(list((root / "sidecar").rglob("*.so")))}
     try:
         info["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root,
                                         text=True, capture_output=True,

@@ -150,7 +150,8 @@ def print_report(report: dict[str, Any]) -> None:
         if isinstance(revision, str):  # the first results kept only the commit
             revision = {"commit": revision}
         name = (entry["target"] if revision is None else f"kvgate {revision.get('commit')}"
-                + (" (+ uncommitted)" if revision.get("sidecar_uncommitted_changes") else ""))
+                + (" (+ uncommitted)" if revision.get("sidecar_uncommitted_changes") else "")
+                + (" compiled" if revision.get("compiled_modules") else ""))
         rows.append([name, f"{statistics.median(cpu):.1f}",
                      " / ".join(f"{v:.1f}" for v in cpu), f"{statistics.median(rps):.0f}"])
     print(render_table(["target", "CPU us / request (median)", "each round", "req/s (median)"],

@@ -173,6 +173,21 @@ system_packages() {
     fi
 }
 
+# A copy of this checkout with the modules setup.py names compiled by mypyc, in place
+# (KVGATE_COMPILE=1), in a new temporary directory. Sets KVGATE_COMPILED.
+compiled_copy() {
+    local root copy
+    root="$(_kvgate_root)" || return 1
+    copy="$(mktemp -d "${TMPDIR:-/tmp}/kvgate-compiled.XXXXXX")" || return 1
+    log "compiling kvgate's request path with mypyc in $copy"
+    (cd "$root" && tar --exclude=./.git --exclude='__pycache__' --exclude='*.so' \
+        --exclude=./build --exclude='*.egg-info' -cf - .) | tar -xf - -C "$copy" || return 1
+    (cd "$copy" && KVGATE_COMPILE=1 "$KVGATE_VENV/bin/python" setup.py -q build_ext --inplace \
+        > "$copy/compile.log" 2>&1) ||
+        { tail -n 40 "$copy/compile.log" >&2; fail "compiling with mypyc failed"; return 1; }
+    KVGATE_COMPILED="$copy"
+}
+
 # A directory for the logs of the servers a run starts (vLLM, kvgate, Prometheus,
 # nginx), exported as KVGATE_LOG_DIR: removed when the run passes, kept (and named)
 # when it fails. Call once, from the script's top level.

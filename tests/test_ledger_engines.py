@@ -137,6 +137,7 @@ def test_the_controller_places_each_request_on_one_engine() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.pure_python  # a stand-in for Services
 def test_the_proxy_pins_the_request_to_its_engine() -> None:
     from types import SimpleNamespace
 

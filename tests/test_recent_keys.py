@@ -29,6 +29,7 @@ class Hashes:
         monkeypatch.setattr(prefix, "_chained", counted)
 
 
+@pytest.mark.pure_python  # counts calls of a module function compiled code calls directly
 def test_a_prompt_extending_a_recent_one_hashes_only_its_new_blocks(
         monkeypatch: pytest.MonkeyPatch) -> None:
     recent = RecentKeys(BLOCK)
@@ -43,6 +44,7 @@ def test_a_prompt_extending_a_recent_one_hashes_only_its_new_blocks(
     assert recent.reused_blocks == 7
 
 
+@pytest.mark.pure_python  # counts calls of a module function compiled code calls directly
 def test_prompts_that_part_within_a_block_share_the_blocks_before_it(
         monkeypatch: pytest.MonkeyPatch) -> None:
     recent = RecentKeys(BLOCK)

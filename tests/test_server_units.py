@@ -465,6 +465,7 @@ def test_headers_the_connection_header_names_go_no_further() -> None:
         _forward_headers(naming, _NOT_FORWARDED)) == [("X-Request-Id", "kv-1")]
 
 
+@pytest.mark.pure_python  # a stand-in for Services
 def test_an_upstream_failure_is_counted_by_what_the_server_did() -> None:
     """Refused or reset: 503, kind connect; an answer that is not HTTP: 502, kind
     protocol (a server speaking something else, not one that is down)."""

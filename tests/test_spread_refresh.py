@@ -12,6 +12,9 @@ from sidecar.server.services import SPREAD_PERIOD_S, Services
 
 from support.admission_fixtures import FakeClock, wired_services
 
+# Replaces methods of a Services, which the compiled build does not allow.
+pytestmark = pytest.mark.pure_python
+
 
 def wired(clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> Services:
     services = wired_services(clock)

@@ -38,8 +38,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 
-class LedgerError(RuntimeError):
-    """A broken invariant: a bug, never a user error."""
+class LedgerError(Exception):
+    """A broken invariant: a bug, never a user error. (An `Exception`: mypyc compiles
+    no subclass of `RuntimeError`.)"""
 
 
 class Reservation:

@@ -14,6 +14,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from sidecar.admission.policies import (
     BandView,
@@ -40,7 +41,7 @@ class Entry:
     blocks: int
     cost: float
     deadline_s: float | None = None
-    payload: object = None
+    payload: Any = None
     seq: int = -1
     removed: bool = False
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+import types
 from typing import Any, TypeVar
 
 _Class = TypeVar("_Class", bound=type)
@@ -37,7 +38,11 @@ _RESERVED = frozenset({"self", "stored", "_FACTORY"})
 
 
 def quick_init(cls: _Class) -> _Class:
-    """`cls` (a frozen dataclass) with an `__init__` that stores its fields directly."""
+    """`cls` (a frozen dataclass) with an `__init__` that stores its fields directly.
+    A class compiled by mypyc (a native class: no instance `__dict__`, and already built
+    as fast) is returned as it is."""
+    if not isinstance(cls.__dict__.get("__init__"), types.FunctionType):
+        return cls  # compiled: its __init__ is native code
     params = getattr(cls, "__dataclass_params__", None)
     if params is None or not params.frozen:
         raise TypeError(f"quick_init: {cls.__name__} is not a frozen dataclass")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import math
@@ -14,6 +15,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from sidecar import compiled_modules
 from sidecar.model.summary import PlanInput, compute_plan, plan_under_load
 from sidecar.server.errors import error_response
 from sidecar.server.keys import SERVICES
@@ -70,7 +72,7 @@ async def state(request: web.Request) -> web.Response:
     view = services.watcher.view if services.watcher else None
     data: dict[str, Any] = {
         "ready": services.ready[1],
-        "model": services.learned.__dict__ if services.learned else None,
+        "model": dataclasses.asdict(services.learned) if services.learned else None,
         "model_problem": services.model_problem,
         "upstream": None if view is None else {
             "up": view.up,
@@ -115,6 +117,7 @@ def _process(request: web.Request) -> dict[str, Any]:
         "upstream_connections": upstream,
         "rss_bytes": rss_bytes,
         "open_fds": fds,
+        "compiled_modules": len(compiled_modules()),
     }
 
 

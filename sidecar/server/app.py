@@ -16,7 +16,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CollectorRegistry
 
-from sidecar import __version__
+from sidecar import __version__, compiled_modules
 from sidecar.model import ModelArchitecture, ModelError, read_architecture
 from sidecar.server import access_log, admin, proxy
 from sidecar.server.front import FrontConnection, FrontDoor
@@ -194,7 +194,9 @@ async def serve(settings: ServeSettings, *, stop: asyncio.Event | None = None) -
         except OSError as exc:
             raise ListenError(f"cannot listen on {settings.host}:{port} ({flag}): "
                               f"{exc.strerror or exc}") from exc
-    log.info("kvgate %s listening on %s:%d, upstream %s, mode %s", __version__, settings.host,
+    compiled = len(compiled_modules())
+    log.info("kvgate %s (%s) listening on %s:%d, upstream %s, mode %s", __version__,
+             f"{compiled} modules compiled" if compiled else "pure Python", settings.host,
              settings.port, settings.upstream, settings.mode)
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
