@@ -13,7 +13,9 @@ prompts (kvgate's first checks of the shape, which the canned /tokenize answers)
 `--duration` seconds measured. The order alternates between rounds. Reports each
 target's CPU microseconds per request (median and all rounds) and its req/s.
 
-Give a checkout as a `git worktree add` of the revision to compare with.
+Give a checkout as a `git worktree add` of the revision to compare with; one built in
+place with `KVGATE_COMPILE=1 python setup.py build_ext --inplace` runs compiled (its
+row says so).
 """
 
 from __future__ import annotations
