@@ -2,11 +2,13 @@
 proxied request runs through are compiled with mypyc (the same code, as C extensions).
 
     pip install .                                                  # pure Python
-    KVGATE_COMPILE=1 pip install --no-build-isolation .            # compiled
+    pip install '.[compile]' && KVGATE_COMPILE=1 pip install --no-build-isolation .
     KVGATE_COMPILE=1 python setup.py build_ext --inplace           # compiled, in place
 
-Compiling needs mypy (its mypyc), setuptools >= 77 and a C compiler in the build
-environment; nothing more at run time. The metadata is in pyproject.toml.
+Compiling needs, in the build environment, what the `compile` extra installs (mypy,
+whose mypyc type-checks the package first, so kvgate's dependencies and stubs too;
+setuptools >= 77) and a C compiler; nothing more at run time. The metadata is in
+pyproject.toml.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import os
 
 from setuptools import setup
 
-# The admission core and the request path's pure parts. Left out: the modules that
-# hold event-loop transports (uvloop's are not `asyncio.Transport`s, which compiled
-# code checks), subclass builtin exceptions mypyc cannot, run once (start-up, CLI), or
-# cost little per request (the queue, whose methods the property tests wrap).
+# The admission core and the request path's pure parts. Left out: the front door
+# (server/front.py, lean.py: its tests on uvloop failed compiled), the modules whose
+# exceptions subclass two builtin ones (mypyc compiles neither upstream/http1.py nor
+# server/access_log.py so), what runs once (start-up, the CLI), and the queue (little
+# per request, and the admission property tests wrap its methods).
 COMPILED = [
     "sidecar/admission/blockage.py",
     "sidecar/admission/controller.py",

@@ -29,6 +29,7 @@ writes the rows and the summary (bench/results/model_accuracy.json by convention
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -507,7 +508,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "command": "python bench/model_accuracy.py " + " ".join(
             sys.argv[1:] if argv is None else argv),
         "efficiency": DEFAULT_EFFICIENCY.as_dict(),
-        "engine_terms": {engine: vars(terms) for engine, terms in ENGINE_TERMS.items()},
+        "engine_terms": {engine: dataclasses.asdict(terms)
+                         for engine, terms in ENGINE_TERMS.items()},
         "summary": summarize(rows),
         "rows": [row.as_dict() for row in rows],
         "skipped": skips,

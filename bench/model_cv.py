@@ -217,7 +217,7 @@ class _WarmServed:
         served.__dict__.update(self.warm.warm)
         roofline = served.roofline
         assert roofline is not None
-        roofline.__dict__["_matmul_params"] = self.warm.matmul_params
+        object.__setattr__(roofline, "_matmul_params", self.warm.matmul_params)
         return served
 
 

@@ -4,6 +4,7 @@ reservations. The admission core alone (no server)."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 from sidecar.admission import AdmissionController, AdmissionRequest, Ticket
@@ -271,3 +272,21 @@ def test_with_an_mtp_drafter_a_hit_gives_up_its_last_block() -> None:
     # The planner counts the same.
     assert shared_prefix_blocks(served, 20 * BLOCK, len(prompt(1))) == 19
     assert shared_prefix_blocks(tiny_served(num_blocks=256), 20 * BLOCK, len(prompt(1))) == 20
+
+
+def test_a_request_salt_is_keyed_as_json_carries_it_lone_surrogates_too() -> None:
+    from sidecar.server.prefix_keys import prompt_keys
+    from sidecar.server.requests import parse_body, parse_generation
+
+    ctl = controller()
+    tokens = prompt(1)
+    keys = {}
+    for salt in ("a", "\ud800", None):
+        raw = json.dumps({"prompt": "x", "cache_salt": salt}).encode()
+        body = parse_body(raw)
+        gen = parse_generation("/v1/completions", body)
+        keys[salt] = prompt_keys(ctl, body, gen, tokens, None, shares=True)
+    plain = ctl.prompt_keys(tokens)
+    assert keys[None] == plain
+    assert keys["a"] == ctl.prompt_keys(tokens, b"cache_salt:a") != plain
+    assert keys["\ud800"] not in (plain, keys["a"]) and len(keys["\ud800"]) == len(plain)

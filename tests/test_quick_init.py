@@ -16,9 +16,6 @@ from sidecar.admission.running import AdmissionRequest
 from sidecar.server.client_headers import Steering
 from sidecar.server.requests import GenerationRequest
 
-# kvgate's hot classes are native in the compiled build: quick_init leaves them.
-pytestmark = pytest.mark.pure_python
-
 
 def built_both_ways(cls: type, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
     quick = cls(*args, **kwargs)

@@ -19,7 +19,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
-import types
 from typing import Any, TypeVar
 
 _Class = TypeVar("_Class", bound=type)
@@ -39,10 +38,11 @@ _RESERVED = frozenset({"self", "stored", "_FACTORY"})
 
 def quick_init(cls: _Class) -> _Class:
     """`cls` (a frozen dataclass) with an `__init__` that stores its fields directly.
-    A class compiled by mypyc (a native class: no instance `__dict__`, and already built
-    as fast) is returned as it is."""
-    if not isinstance(cls.__dict__.get("__init__"), types.FunctionType):
-        return cls  # compiled: its __init__ is native code
+    A class mypyc compiled as a native class (no instance `__dict__` and no `__slots__`
+    of Python's: already built as fast) is returned as it is; mypyc compiles the classes
+    this decorates as ordinary Python classes, which it rewrites as it does uncompiled."""
+    if cls.__dictoffset__ == 0 and "__slots__" not in cls.__dict__:
+        return cls  # native
     params = getattr(cls, "__dataclass_params__", None)
     if params is None or not params.frozen:
         raise TypeError(f"quick_init: {cls.__name__} is not a frozen dataclass")

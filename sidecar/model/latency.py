@@ -44,8 +44,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-from functools import cached_property
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from sidecar.model.architecture import ModelArchitecture, Role
@@ -243,12 +242,14 @@ class Roofline:
     tp: int
     compute_rate: ComputeRate
     efficiency: Efficiency = DEFAULT_EFFICIENCY
+    # Active parameters multiplied per token in the layers (no embeddings/lm_head): set
+    # once when made (a `cached_property` would be recomputed at each use compiled).
+    _matmul_params: float = field(init=False, repr=False, compare=False)
 
-    @cached_property
-    def _matmul_params(self) -> float:
-        """Active parameters multiplied per token in the layers (no embeddings/lm_head)."""
+    def __post_init__(self) -> None:
         skip = (Role.EMBEDDING, Role.LM_HEAD, Role.VISION, Role.NORM)
-        return sum(n for role, n in self.arch.active_params_by_role().items() if role not in skip)
+        object.__setattr__(self, "_matmul_params", float(sum(
+            n for role, n in self.arch.active_params_by_role().items() if role not in skip)))
 
     def _kv_bytes(self, tokens: int) -> float:
         return sum(spec.sequence_bytes(tokens) for spec in self.kv_specs)

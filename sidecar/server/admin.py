@@ -107,8 +107,9 @@ def _process(request: web.Request) -> dict[str, Any]:
         fds = len(os.listdir("/proc/self/fd"))
     except OSError:  # not Linux
         pass
-    tasks = Counter(getattr(task.get_coro(), "__qualname__", "?")
-                    for task in asyncio.all_tasks())
+    # (A compiled coroutine has no __qualname__: its type's name says which it is.)
+    tasks = Counter(getattr(coro, "__qualname__", None) or type(coro).__qualname__
+                    for coro in (task.get_coro() for task in asyncio.all_tasks()))
     return {
         "asyncio_tasks": sum(tasks.values()),
         "asyncio_tasks_by_coroutine": dict(tasks),

@@ -248,15 +248,6 @@ class LeanStream(web.StreamResponse):
         self._wire.keep_alive = False
 
 
-def close_connection(request: web.Request | LeanRequest) -> None:
-    """Close the client's connection (what was written is still sent first). Kept out
-    of the compiled modules: uvloop's transports are not `asyncio.Transport`s, which
-    compiled code would check them against."""
-    transport = request.transport
-    if transport is not None:
-        transport.close()
-
-
 def client_gone() -> aiohttp.ClientConnectionResetError:
     """What writing to a client that went away raises (as aiohttp's writer does)."""
     return aiohttp.ClientConnectionResetError("Cannot write to closing transport")

@@ -42,7 +42,9 @@ def prompt_keys(
     salt = body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         return ()
-    return controller.prompt_keys(token_ids, b"cache_salt:" + salt.encode() if salt else b"")
+    # Any string JSON can carry, lone surrogates too (vLLM answers for those).
+    return controller.prompt_keys(token_ids, b"cache_salt:" + salt.encode("utf-8", "surrogatepass")
+                                  if salt else b"")
 
 
 def shares_prompt_blocks(body: Mapping[str, Any], gen: GenerationRequest) -> bool:

@@ -27,7 +27,7 @@ from sidecar.server import access_log
 from sidecar.server.client_headers import PRIORITY, TENANT, TTFT_SLO, parse_steering
 from sidecar.server.errors import error_response, rejection_response
 from sidecar.server.keys import SERVICES
-from sidecar.server.lean import LeanRequest, close_connection
+from sidecar.server.lean import LeanRequest
 from sidecar.server.prefix_keys import prompt_keys, shares_prompt_blocks
 from sidecar.server.requests import (
     BadRequest,
@@ -413,7 +413,8 @@ async def _relay_response(request: Incoming, upstream: ForwardResponse,
             # A body cut short: only closing the connection says so, before the end of
             # the answer is written (a chunked answer's last chunk would pass it as whole).
             response.force_close()
-            close_connection(request)  # what was written is still sent first
+            if request.transport is not None:
+                request.transport.close()  # what was written is still sent first
         return response
     if events is not None:
         last += events.flush()
