@@ -285,7 +285,7 @@ def test_a_request_salt_is_keyed_as_json_carries_it_lone_surrogates_too() -> Non
         raw = json.dumps({"prompt": "x", "cache_salt": salt}).encode()
         body = parse_body(raw)
         gen = parse_generation("/v1/completions", body)
-        keys[salt] = prompt_keys(ctl, body, gen, tokens, None, shares=True)
+        keys[salt] = prompt_keys(ctl, body, gen, tuple(tokens), None, shares=True)
     plain = ctl.prompt_keys(tokens)
     assert keys[None] == plain
     assert keys["a"] == ctl.prompt_keys(tokens, b"cache_salt:a") != plain
