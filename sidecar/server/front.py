@@ -35,6 +35,7 @@ from sidecar.server.lean import (
     encode_answer,
     parse_head,
 )
+from sidecar.upstream.deadline import Deadline
 
 log = logging.getLogger("kvgate.front")
 
@@ -42,8 +43,6 @@ log = logging.getLogger("kvgate.front")
 MAX_HEAD_BYTES = 64 * 1024
 # Pipelined bytes buffered while a request runs before reading pauses.
 MAX_WAITING_BYTES = 256 * 1024
-# A timer may fire this early against the loop's clock (its resolution): it counts as due.
-TIMER_SLACK_S = 0.001
 
 Handler = Callable[[LeanRequest], Awaitable[web.StreamResponse]]
 
@@ -112,10 +111,7 @@ class FrontConnection(asyncio.Protocol):
         self.keep_alive = True
         self._pending: tuple[Head, int] | None = None  # a head whose body is arriving
         self._writable: asyncio.Future[None] | None = None
-        # Idle since (loop time; None while a request runs), and the one timer that
-        # checks it: armed once per idle timeout, not once per request.
-        self._idle_since: float | None = None
-        self._idle_timer: asyncio.TimerHandle | None = None
+        self._idle: Deadline | None = None  # closes it when idle too long (set when it opens)
         self._reading_paused = False
         self.answering = False  # a byte of the current request's answer was written
         self.loop: asyncio.AbstractEventLoop | None = None  # set when the connection opens
@@ -126,6 +122,7 @@ class FrontConnection(asyncio.Protocol):
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
         # Asked once per connection, not per request: each ask is a system call (getpid).
         self.loop = asyncio.get_running_loop()
+        self._idle = Deadline(self.loop, self.close)
         self.door.connections.add(self)
         self._arm_idle()
 
@@ -139,7 +136,7 @@ class FrontConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         self.door.connections.discard(self)
-        self._stop_idle_timer()
+        self._stop_idle()
         if self.task is not None:
             self.task.cancel()  # the client went away: the proxy releases and cleans up
         self._wake()
@@ -264,7 +261,7 @@ class FrontConnection(asyncio.Protocol):
         requests, so reading is not paused)."""
         transport = self.transport
         assert transport is not None
-        self._stop_idle_timer()
+        self._stop_idle()
         self.door.connections.discard(self)
         self.transport = None
         data = bytes(self.buffer)
@@ -282,32 +279,16 @@ class FrontConnection(asyncio.Protocol):
 
     def _arm_idle(self) -> None:
         """Idle from now: closed after `idle_timeout_s` unless a request starts."""
-        loop = self._loop()
-        self._idle_since = now = loop.time()
-        if self._idle_timer is None:
-            self._idle_timer = loop.call_at(now + self.door.idle_timeout_s, self._idle_check)
+        if self._idle is not None:
+            self._idle.set(self._loop().time() + self.door.idle_timeout_s)
 
     def _disarm_idle(self) -> None:
-        """A request runs: not idle (the timer, if armed, finds that when it fires)."""
-        self._idle_since = None
+        if self._idle is not None:
+            self._idle.clear()
 
-    def _idle_check(self) -> None:
-        self._idle_timer = None
-        since = self._idle_since
-        if since is None:
-            return  # busy: armed again when it next goes idle
-        loop = self._loop()
-        deadline = since + self.door.idle_timeout_s
-        if loop.time() >= deadline - TIMER_SLACK_S:
-            self.close()
-        else:  # it was busy in between: the rest of this idle spell's timeout
-            self._idle_timer = loop.call_at(deadline, self._idle_check)
-
-    def _stop_idle_timer(self) -> None:
-        self._idle_since = None
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
+    def _stop_idle(self) -> None:
+        if self._idle is not None:
+            self._idle.stop()
 
     def _pause_reading(self) -> None:
         if self.transport is not None:

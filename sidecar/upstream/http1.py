@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import math
 import re
 import ssl
 from collections.abc import Iterable
@@ -33,6 +32,8 @@ from typing import cast
 from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
+
+from sidecar.upstream.deadline import Deadline
 
 # Reading pauses when this much body is waiting for the caller (a slow client): the
 # server is then backpressured through TCP instead of kvgate buffering the stream.
@@ -47,8 +48,6 @@ _OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connec
 _DIGITS = re.compile(r"[0-9]{3}")  # a status code (str.isdigit also takes "²")
 _LENGTH = re.compile(r"[0-9]{1,18}")
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
-# A timer may fire this early against the loop's clock (its resolution): it counts as due.
-TIMER_SLACK_S = 0.001
 
 
 class ForwardError(Exception):
@@ -109,11 +108,9 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.idle = False  # in the pool, between exchanges
         self.idle_since = 0.0  # loop time it went back to the pool
-        # The read timeout: the current wait's deadline (loop time) and the one timer that
-        # checks it, armed once per timeout rather than once per wait.
-        self._deadline = 0.0
+        # The read timeout of the current wait.
         self._timeout_s = 0.0
-        self._timer: asyncio.TimerHandle | None = None
+        self._deadline = Deadline(self.loop, self._timed_out)
         self._reset()
 
     # -- one exchange -------------------------------------------------------------
@@ -172,7 +169,7 @@ class _Connection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.forget(self)
-        self._stop_timer()
+        self._deadline.stop()
         if (self.head is not None and self._framing == "close" and not self.body_done
                 and exc is None):
             self.body_done = True  # a body delimited by the end of the connection
@@ -321,40 +318,22 @@ class _Connection(asyncio.Protocol):
     # -- what the response reads ---------------------------------------------------------
     async def wait(self, timeout_s: float | None) -> None:
         """Until something changed (data, the end, an error), or the read timeout."""
-        loop = self.loop
-        waiter = loop.create_future()
+        waiter = self.loop.create_future()
         self._waiter = waiter
-        if timeout_s is None:
-            self._deadline = math.inf
-        else:
+        if timeout_s is not None:
             self._timeout_s = timeout_s
-            self._deadline = deadline = loop.time() + timeout_s
-            timer = self._timer
-            if timer is not None and timer.when() > deadline:
-                timer.cancel()  # a shorter timeout than the one armed
-                timer = None
-            if timer is None:
-                self._timer = loop.call_at(deadline, self._check_timeout)
+            self._deadline.set(self.loop.time() + timeout_s)
         try:
             await waiter
         finally:
             self._waiter = None
+            self._deadline.clear()
 
-    def _check_timeout(self) -> None:
-        self._timer = None
+    def _timed_out(self) -> None:
         waiter = self._waiter
-        if waiter is None or waiter.done() or self._deadline == math.inf:
-            return  # not waiting (or without a timeout): armed again by the next wait
-        if self.loop.time() >= self._deadline - TIMER_SLACK_S:
+        if waiter is not None and not waiter.done():
             waiter.set_exception(UpstreamTimeout(
                 f"the server sent nothing for {self._timeout_s:g} s"))
-        else:  # this wait began after the one the timer was armed for
-            self._timer = self.loop.call_at(self._deadline, self._check_timeout)
-
-    def _stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
 
     def take(self) -> bytes:
         """Every body byte received so far (b"" if none)."""
@@ -379,7 +358,7 @@ class _Connection(asyncio.Protocol):
 
     def close(self) -> None:
         self._pool.forget(self)
-        self._stop_timer()
+        self._deadline.stop()
         if not self.closed:
             self.closed = True
             if self.transport is not None:
