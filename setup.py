@@ -17,11 +17,11 @@ import os
 
 from setuptools import setup
 
-# The admission core and the request path's pure parts. Left out: the front door
-# (server/front.py, lean.py: its tests on uvloop failed compiled), the modules whose
-# exceptions subclass two builtin ones (mypyc compiles neither upstream/http1.py nor
-# server/access_log.py so), what runs once (start-up, the CLI), and the queue (little
-# per request, and the admission property tests wrap its methods).
+# The admission core and every module a proxied request runs through. Left out: what
+# runs once (start-up, the CLI, the model's sizing), the queue and its policies (little
+# per request, and the admission property tests wrap the queue's methods), and the
+# forwarding errors (upstream/forward_errors.py: mypyc does not compile a class with two
+# builtin bases).
 COMPILED = [
     "sidecar/admission/blockage.py",
     "sidecar/admission/controller.py",
@@ -41,7 +41,11 @@ COMPILED = [
     "sidecar/admission/wait_ratio.py",
     "sidecar/metrics.py",
     "sidecar/model/latency.py",
+    "sidecar/server/access_log.py",
     "sidecar/server/client_headers.py",
+    "sidecar/server/errors.py",
+    "sidecar/server/front.py",
+    "sidecar/server/lean.py",
     "sidecar/server/prefix_keys.py",
     "sidecar/server/prompt_tokens.py",
     "sidecar/server/proxy.py",
@@ -49,6 +53,9 @@ COMPILED = [
     "sidecar/server/services.py",
     "sidecar/server/token_stream.py",
     "sidecar/tokens/reuse.py",
+    "sidecar/tokens/verification.py",
+    "sidecar/upstream/deadline.py",
+    "sidecar/upstream/http1.py",
 ]
 
 

@@ -26,7 +26,8 @@ from typing import cast
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sidecar.server.proxy import HOP_BY_HOP as PROXY_HOP_BY_HOP
-from sidecar.upstream.http1 import ForwardError, Http1Pool
+from sidecar.upstream.forward_errors import ForwardError
+from sidecar.upstream.http1 import Http1Pool
 
 # The headers kvgate's proxy does not pass on, as the bytes this parser compares.
 HOP_BY_HOP = frozenset(name.encode("latin-1") for name in PROXY_HOP_BY_HOP)

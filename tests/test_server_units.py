@@ -436,8 +436,6 @@ def test_only_kvgate_s_request_id_and_no_steering_go_upstream() -> None:
 
 
 def test_headers_the_connection_header_names_go_no_further() -> None:
-    from types import SimpleNamespace
-
     from multidict import CIMultiDict, CIMultiDictProxy
 
     from sidecar.server.proxy import _NOT_FORWARDED, _forward_headers, _response_headers
@@ -448,14 +446,14 @@ def test_headers_the_connection_header_names_go_no_further() -> None:
         ("X-Hop", "1"), ("x-other", "2"), ("Authorization", "Bearer t"), ("X-Kept", "3")]))
     assert _forward_headers(client, _NOT_FORWARDED) == [("Authorization", "Bearer t"),
                                                         ("X-Kept", "3")]
-    upstream: Any = SimpleNamespace(headers=CIMultiDict([
+    upstream = CIMultiDict([
         ("Content-Type", "text/plain"), ("Connection", "X-Hop"), ("X-Hop", "1"),
-        ("Content-Length", "31"), ("Keep-Alive", "timeout=5")]))
+        ("Content-Length", "31"), ("Keep-Alive", "timeout=5")])
     assert _response_headers(upstream, None) == [("Content-Type", "text/plain")]
     # A HEAD's answer keeps the length of the body its GET would have.
     assert _response_headers(upstream, None, head=True) == [
         ("Content-Type", "text/plain"), ("Content-Length", "31")]
-    upstream.headers["Content-Length"] = "31, 31"  # not one plain length: not passed on
+    upstream["Content-Length"] = "31, 31"  # not one plain length: not passed on
     assert _response_headers(upstream, None, head=True) == [("Content-Type", "text/plain")]
     # kvgate's own request id goes to the server whatever a client's Connection names.
     from sidecar.server.access_log import RequestRecord
@@ -475,7 +473,7 @@ def test_an_upstream_failure_is_counted_by_what_the_server_did() -> None:
 
     from sidecar.metrics import SidecarMetrics
     from sidecar.server.proxy import _upstream_failed
-    from sidecar.upstream.http1 import ForwardError, UpstreamProtocolError
+    from sidecar.upstream.forward_errors import ForwardError, UpstreamProtocolError
 
     registry = CollectorRegistry()
     services = SimpleNamespace(metrics=SidecarMetrics(registry, lambda: None),  # type: ignore[arg-type, return-value]

@@ -40,7 +40,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Literal, TypeVar
 
 from aiohttp import web
@@ -344,7 +344,7 @@ def _json_line(timestamp: str, v: list[Value]) -> str:
 # ---- the writer ------------------------------------------------------------------------
 
 
-class AccessLogError(RuntimeError):
+class AccessLogError(Exception):
     """The access log's file cannot be opened."""
 
 
@@ -357,7 +357,7 @@ class _Writer:
         self._fd = -1
         self._identity: tuple[int, int] | None = None
         self._checked_s = 0.0
-        self._thread: threading.Thread | None = None
+        self._writer_thread: threading.Thread | None = None
         self.dropped = 0
         self.failed = 0
 
@@ -375,9 +375,9 @@ class _Writer:
 
     def start(self) -> None:
         self.open()
-        self._thread = threading.Thread(target=self._run, name="kvgate-access-log",
+        self._writer_thread = threading.Thread(target=self._run, name="kvgate-access-log",
                                         daemon=True)
-        self._thread.start()
+        self._writer_thread.start()
 
     def put(self, line: str) -> None:
         if self._queue.qsize() >= QUEUE_MAX_LINES:
@@ -386,11 +386,11 @@ class _Writer:
         self._queue.put(line)
 
     def close(self, timeout_s: float = 5.0) -> None:
-        if self._thread is None:
+        if self._writer_thread is None:
             return
         self._queue.put(None)
-        self._thread.join(timeout_s)
-        self._thread = None
+        self._writer_thread.join(timeout_s)
+        self._writer_thread = None
         if self.target != "stdout" and self._fd >= 0:
             os.close(self._fd)
             self._fd = -1
@@ -562,19 +562,6 @@ async def on_prepare(request: web.Request, response: web.StreamResponse) -> None
         response.headers[REQUEST_ID_HEADER] = request_id(request.headers)
         return
     stamp(entry, response)
-
-
-def context(access: AccessLog) -> Callable[[web.Application], AsyncIterator[None]]:
-    """The writer thread runs while the application does."""
-
-    async def run(app: web.Application) -> AsyncIterator[None]:
-        access.start()
-        try:
-            yield
-        finally:
-            access.close()
-
-    return run
 
 
 # ---- the process log -------------------------------------------------------------------

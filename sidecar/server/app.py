@@ -72,6 +72,16 @@ def build_services(settings: ServeSettings, registry: CollectorRegistry) -> Serv
                     version=__version__)
 
 
+async def _access_log_context(access: access_log.AccessLog,
+                              app: web.Application) -> AsyncIterator[None]:
+    """The access log's writer thread runs while the application does."""
+    access.start()
+    try:
+        yield
+    finally:
+        access.close()
+
+
 def build_app(services: Services, registry: CollectorRegistry) -> web.Application:
     settings = services.settings
     access = access_log.AccessLog(settings.access_log, settings.access_log_format)
@@ -80,7 +90,7 @@ def build_app(services: Services, registry: CollectorRegistry) -> web.Applicatio
         admin.admin_token])
     app[SERVICES] = services
     app[access_log.ACCESS_LOG] = access
-    app.cleanup_ctx.append(access_log.context(access))
+    app.cleanup_ctx.append(functools.partial(_access_log_context, access))
     app.on_response_prepare.append(access_log.on_prepare)
     app[admin.REGISTRY] = registry
     app[proxy.RUNNING] = set()

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
-from typing import cast
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, cast
 
 from aiohttp import web
 
@@ -76,8 +76,10 @@ class FrontDoor:
     @property
     def port(self) -> int:
         """The port listened on (useful when started on port 0)."""
-        assert self._server is not None and self._server.sockets
-        port: int = self._server.sockets[0].getsockname()[1]
+        # uvloop's server lists its sockets where asyncio's gives a tuple.
+        sockets: Sequence[Any] = getattr(self._server, "sockets", None) or ()
+        assert sockets, "the front door is not listening"
+        port: int = sockets[0].getsockname()[1]
         return port
 
     async def stop(self, timeout_s: float) -> None:

@@ -98,17 +98,15 @@ def _forward_headers(headers: MultiMapping[str], drop: frozenset[str]
     return [(name, value) for name, value in headers.items() if name.lower() not in drop]
 
 
-def _response_headers(upstream: ForwardResponse, ticket: Ticket | None, *, head: bool = False
-                      ) -> list[tuple[str, str]]:
+def _response_headers(upstream: MultiMapping[str], ticket: Ticket | None, *,
+                      head: bool = False) -> list[tuple[str, str]]:
     """The server's headers (less hop-by-hop ones, those its Connection header names and
     kvgate's own names), and kvgate's figures when admitted. The answer to a HEAD keeps
     the server's Content-Length: the length its GET would have, with no body here."""
-    drop = _with_connection_named(upstream.headers,
-                                  HOP_BY_HOP if ticket is None else _NOT_WITH_FIGURES)
-    headers = [(name, value) for name, value in upstream.headers.items()
-               if name.lower() not in drop]
+    drop = _with_connection_named(upstream, HOP_BY_HOP if ticket is None else _NOT_WITH_FIGURES)
+    headers = [(name, value) for name, value in upstream.items() if name.lower() not in drop]
     if head:
-        length = upstream.headers.get("Content-Length", "")
+        length = upstream.get("Content-Length", "")
         if length.isdigit() and length.isascii():
             headers.append(("Content-Length", length))
     if ticket is not None:
@@ -348,7 +346,7 @@ async def _relay_response(request: Incoming, upstream: ForwardResponse,
                           relay: _Relay, gen: GenerationRequest | None,
                           ticket: Ticket | None) -> web.StreamResponse:
     relay.refusal = RefusalWatch(upstream.status)
-    headers = _response_headers(upstream, ticket, head=request.method == "HEAD")
+    headers = _response_headers(upstream.headers, ticket, head=request.method == "HEAD")
     # Streams are passed on in whole events, so that the error event below is never
     # glued to half an event.
     events = (EventAligner() if gen is not None and gen.stream

@@ -3,15 +3,14 @@ watcher."""
 
 from sidecar.upstream.client import ModelInfo, Tokenized, UpstreamClient, UpstreamError
 from sidecar.upstream.engine import Engine
-from sidecar.upstream.http1 import (
+from sidecar.upstream.forward_errors import (
     ForwardError,
-    ForwardResponse,
-    Http1Pool,
     UpstreamBroke,
     UpstreamProtocolError,
     UpstreamTimeout,
     UpstreamUnavailable,
 )
+from sidecar.upstream.http1 import ForwardResponse, Http1Pool
 from sidecar.upstream.server_metrics import CacheConfig, ServerMetrics, parse_server_metrics
 from sidecar.upstream.watcher import UpstreamView, UpstreamWatcher
 

@@ -7,7 +7,7 @@ chunked, or until the server closes), and the connection back in the pool once t
 body is complete. A response the caller closes before its end closes its connection,
 which is how vLLM learns that a client went away (it aborts the request).
 
-Failures are typed so the proxy can answer each the way it should:
+Failures are typed (forward_errors.py) so the proxy can answer each the way it should:
 `UpstreamUnavailable` (refused, reset, closed or a connect timeout before any answer:
 503), `UpstreamTimeout` (silent longer than the read timeout: 504, or a stream ended
 with an error), `UpstreamProtocolError` (an answer that is not HTTP/1.x: 502), and
@@ -34,6 +34,13 @@ from urllib.parse import urlsplit
 from multidict import CIMultiDict
 
 from sidecar.upstream.deadline import Deadline
+from sidecar.upstream.forward_errors import (
+    UpstreamBroke,
+    UpstreamConnectTimeout,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+    UpstreamUnavailable,
+)
 
 # Reading pauses when this much body is waiting for the caller (a slow client): the
 # server is then backpressured through TCP instead of kvgate buffering the stream.
@@ -48,30 +55,6 @@ _OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connec
 _DIGITS = re.compile(r"[0-9]{3}")  # a status code (str.isdigit also takes "²")
 _LENGTH = re.compile(r"[0-9]{1,18}")
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
-
-
-class ForwardError(Exception):
-    """The server gave no usable answer to a forwarded request."""
-
-
-class UpstreamUnavailable(ForwardError, ConnectionError):
-    """No answer: refused, reset or closed before the response's head."""
-
-
-class UpstreamConnectTimeout(UpstreamUnavailable):
-    """The connection was not established within the connect timeout."""
-
-
-class UpstreamTimeout(ForwardError, TimeoutError):
-    """The server stayed silent longer than the read timeout."""
-
-
-class UpstreamProtocolError(ForwardError):
-    """The server answered something that is not an HTTP/1.x response."""
-
-
-class UpstreamBroke(ForwardError, ConnectionError):
-    """The connection ended before the response's body did."""
 
 
 @dataclass(frozen=True)
