@@ -1364,6 +1364,23 @@ def test_a_forked_reservation_keeps_its_sharing_when_prefix_caching_flips() -> N
     run(scenario())
 
 
+def test_with_a_long_prefill_threshold_forks_share_only_the_first_chunk() -> None:
+    # vLLM's --long-prefill-token-threshold 100: the first fork's prompt is scheduled 100
+    # tokens a step, and the later forks get the budget it leaves: each is sure to find
+    # only the first chunk's 6 full blocks cached, and computes the rest itself.
+    served = tiny_served(num_blocks=512)
+    served.deployment = replace(served.deployment, long_prefill_token_threshold=100)
+    model = CostModel(served)
+    assert model.fork_shared_blocks(600, 4, forks_share=True) == 3 * (100 // 16)
+    assert model.peak_blocks(600, 100, 4, forks_share=True) == (
+        4 * model.peak_blocks(600, 100) - 3 * 6)
+    assert model.server_prefill_tokens(600, 4, 0, forks_share=True) == 600 + 3 * (600 - 96)
+    # A prompt within the threshold is scheduled whole, as without one.
+    assert model.fork_shared_blocks(90, 4, forks_share=True) == 3 * (89 // 16)
+    plain = CostModel(tiny_served(num_blocks=512))
+    assert plain.fork_shared_blocks(600, 4, forks_share=True) == 3 * (599 // 16)
+
+
 def test_forks_share_nothing_under_mtp_drafting() -> None:
     # vLLM drops the last hit block with an MTP drafter (its hits leave blocks out at
     # the end): kvgate counts no fork sharing then. (No full-attention model in the

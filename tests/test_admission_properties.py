@@ -430,6 +430,31 @@ PrefixMachine.TestCase.settings = settings(
 TestPrefixProperties = PrefixMachine.TestCase
 
 
+class ChunkedPrefixMachine(PrefixMachine):
+    """The same with vLLM's --long-prefill-token-threshold (1 block and 7 tokens): a
+    newcomer shares a held prefix only up to what the server has cached plus one chunk,
+    and holds its own copy of the rest beside the holder's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from dataclasses import replace
+
+        from sidecar.admission import CostModel
+
+        from support.admission_fixtures import tiny_served
+
+        served = tiny_served(41)
+        served.deployment = replace(served.deployment, long_prefill_token_threshold=23)
+        self.ctl.set_cost_model(CostModel(served))
+
+
+ChunkedPrefixMachine.TestCase.settings = settings(
+    max_examples=60, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestChunkedPrefixProperties = ChunkedPrefixMachine.TestCase
+
+
 SLIDING = {"model_type": "mistral", "hidden_size": 128, "intermediate_size": 256,
            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 1,
            "head_dim": 32, "sliding_window": 64, "vocab_size": 1024,

@@ -4,88 +4,26 @@ and kvgate reserves what vLLM holds, not n whole copies of the request."""
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import http.client
 import math
-import threading
-import uuid
-from typing import Any
-from urllib.parse import urlsplit
 
 import aiohttp
 import pytest
 
+from support.forks import FORKS, OUTPUT_TOKENS, PROMPT, forked
 from support.sidecar import Sidecar, metric_value, released
 from support.vllm_server import VllmServer
 
 pytestmark = [pytest.mark.vllm]
 
 # The small_kv_vllm server (tests/conftest.py's SMALL_KV): 64 blocks of 32 tokens.
+# forked()'s prompt has 26 full blocks, whose 4 copies (124 blocks with the forks' own)
+# are twice the cache; held once they leave each fork 5 blocks of its own.
 SERVER_BLOCKS = 64
 BLOCK_TOKENS = 32
-FORKS = 4
-OUTPUT_TOKENS = 120
-# ~860 tokens with the nonce: 26 full blocks, whose 4 copies (124 blocks with the forks'
-# own) are twice the cache; held once they leave each fork 5 blocks of its own.
-PROMPT = "Pack my box with five dozen liquor jugs, said the wizard. " * 25
-
-
-class ServerUse:
-    """vLLM's blocks in use, polled as fast as its /metrics answers."""
-
-    def __init__(self, server: VllmServer) -> None:
-        self.server = server
-        self.peak = 0
-        self.error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-
-    def _poll(self) -> None:
-        # vLLM's usage is over its blocks but the one it keeps back.
-        blocks = SERVER_BLOCKS - 1
-        try:
-            connection = http.client.HTTPConnection(urlsplit(self.server.url).netloc,
-                                                    timeout=5)
-            with contextlib.closing(connection):
-                while not self._stop.is_set():
-                    connection.request("GET", "/metrics")
-                    text = connection.getresponse().read().decode()
-                    used = metric_value(text, "vllm:kv_cache_usage_perc") * blocks
-                    self.peak = max(self.peak, round(used))
-        except BaseException as exc:  # told to the test, not lost with the thread
-            self.error = exc
-
-    def __enter__(self) -> ServerUse:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
-        if self.error is not None:
-            raise AssertionError(f"polling vLLM's /metrics failed: {self.error!r}")
 
 
 def preemptions(server: VllmServer) -> float:
     return metric_value(server.metrics_text(), "vllm:num_preemptions_total")
-
-
-async def forked(session: aiohttp.ClientSession, sidecar: Sidecar,
-                 server: VllmServer) -> tuple[dict[str, Any], int]:
-    """One request of FORKS forks through kvgate, with a prompt of its own (a nonce
-    first: the forks share blocks with nothing cached): its answer and kvgate's headers,
-    and the most blocks the server was seen to use meanwhile."""
-    prompt = f"Request {uuid.uuid4().hex}. " + PROMPT
-    body = {"model": "tiny-llama", "prompt": prompt, "max_tokens": OUTPUT_TOKENS,
-            "n": FORKS, "temperature": 1.0, "ignore_eos": True}
-    with ServerUse(server) as use:
-        async with session.post(sidecar.url + "/v1/completions", json=body) as answer:
-            payload = await answer.json()
-            assert answer.status == 200, payload
-            payload["headers"] = dict(answer.headers)
-        await asyncio.sleep(0.2)  # the poller's last answer
-    return payload, use.peak
 
 
 async def test_forks_of_one_prompt_are_reserved_as_vllm_holds_them(
@@ -98,7 +36,7 @@ async def test_forks_of_one_prompt_are_reserved_as_vllm_holds_them(
             # vLLM's gauge shows the forks' peak for a few tenths of a second: a busy
             # machine's poller may miss it, so up to three tries to see it.
             for _ in range(3):
-                payload, peak = await forked(session, sidecar, small_kv_vllm)
+                payload, peak = await forked(session, sidecar, small_kv_vllm, SERVER_BLOCKS)
                 assert len(payload["choices"]) == FORKS
                 assert all(c["finish_reason"] == "length" for c in payload["choices"])
                 reserved = int(payload["headers"]["x-kvgate-kv-blocks"])

@@ -230,22 +230,50 @@ def test_a_sliding_window_reservation_shrinks_after_the_prefill() -> None:
     asyncio.run(scenario())
 
 
+def test_with_a_long_prefill_threshold_a_newcomer_shares_only_the_holder_s_first_chunk(
+        ) -> None:
+    # vLLM's --long-prefill-token-threshold: a step schedules at most that many of the
+    # holder's prompt tokens while others wait, and the budget it leaves goes to the
+    # request behind it, which computes its own copy of the rest of the prefix. Of the
+    # 20 prefix blocks, a newcomer behind a holder not yet prefilled is sure of the first
+    # chunk's 4 full blocks (69 tokens); once the server has the holder's blocks cached,
+    # of them all.
+    ctl = controller(num_blocks=256, deployment={"long_prefill_token_threshold": 4 * BLOCK + 5})
+    peak = cdiv(len(prompt(1)) + 64 - 1, BLOCK)
+    first = admit(ctl, request(ctl, prompt(1)))
+    second = admit(ctl, request(ctl, prompt(2)))
+    assert second.cost.shared_blocks == 4 and second.cost.kv_blocks == peak - 4
+    assert second.plan.private == 16  # the holder's blocks 5 to 20, computed again
+    assert second.cost.cached_tokens == 4 * BLOCK
+    assert ctl.ledger.reserved_blocks == 2 * peak - 4
+    # The holder prefilled: the server has its blocks cached, and a newcomer finds them
+    # all (the cached run, then a chunk more of held blocks, covers the prefix).
+    first.first_token()
+    third = admit(ctl, request(ctl, prompt(3)))
+    assert third.cost.shared_blocks == 20 and third.cost.cached_tokens == 20 * BLOCK
+    for ticket in (first, second, third):
+        ticket.finish(64)
+    assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.shared_keys == 0
+    # Without a threshold the newcomer behind the holder shares the whole prefix.
+    plain = controller(num_blocks=256)
+    holder = admit(plain, request(plain, prompt(1)))
+    behind = admit(plain, request(plain, prompt(2)))
+    assert behind.cost.shared_blocks == 20 and behind.plan.private == 0
+    for ticket in (holder, behind):
+        ticket.finish(64)
+
+
 def test_with_an_mtp_drafter_a_hit_gives_up_its_last_block() -> None:
     # vLLM 0.32 recomputes the last block of every prefix-cache hit with an MTP drafter
     # (`drop_eagle_block`): of the 20 shared prefix blocks, a newcomer reuses 19 and
     # allocates its own 20th. (No full-attention model kvgate reads has an MTP drafter
     # in the test data: the setting is put on the tiny model directly.)
-    from dataclasses import replace
-
-    from sidecar.admission import AdmissionController, AdmissionSettings, CostModel, ServerState
     from sidecar.model.planning import shared_prefix_blocks
 
-    served = tiny_served(num_blocks=256)
-    served.deployment = replace(served.deployment, num_speculative_tokens=1,
-                                speculative_method="mtp")
+    ctl = controller(num_blocks=256, deployment={"num_speculative_tokens": 1,
+                                                 "speculative_method": "mtp"})
+    served = ctl.cost_model.served
     assert served.deployment.drops_last_prefix_hit
-    ctl = AdmissionController(CostModel(served), AdmissionSettings(), clock=FakeClock())
-    ctl.update_server(ServerState(available=True))
     peak = cdiv(len(prompt(1)) + 64 - 1, BLOCK)
     first = admit(ctl, request(ctl, prompt(1)))
     second = admit(ctl, request(ctl, prompt(2)))

@@ -202,8 +202,10 @@ class AdmissionController:
         self.wait_ratio = WaitRatio()
         self._draining = False
         self._drain_deadline_s: float | None = None
+        deployment = cost_model.served.deployment
         self.sharing = PromptSharing(self.ledger, cost_model.served.layout,
-                                     cost_model.served.deployment.drops_last_prefix_hit)
+                                     deployment.drops_last_prefix_hit,
+                                     deployment.long_prefill_token_threshold)
         self.room = KVRoom(self.ledger, cost_model)
         self._room_cache: tuple[int, float, RunningHoldings] | None = None
         # What the queue waits on (its head's limit), and how long it has on each.
@@ -273,8 +275,9 @@ class AdmissionController:
         self.cost_model = cost_model
         capacity = cost_model.served.capacity
         self._model_capacity = capacity.usable_blocks if capacity else None
-        self.sharing.set_layout(cost_model.served.layout,
-                                cost_model.served.deployment.drops_last_prefix_hit)
+        deployment = cost_model.served.deployment
+        self.sharing.set_layout(cost_model.served.layout, deployment.drops_last_prefix_hit,
+                                deployment.long_prefill_token_threshold)
         self.room.set_cost_model(cost_model)
         self.update_server(self.server)
 

@@ -136,6 +136,8 @@ class CostModel:
                      and not served.deployment.drops_last_prefix_hit)
         self._fork_block_size = layout.prefix_block_size if shareable else None
         self._fork_groups = layout.prefix_groups
+        # vLLM's --long-prefill-token-threshold (0: none): see `_fork_hit_tokens`.
+        self._prefill_chunk_tokens = served.deployment.long_prefill_token_threshold
         # What a request's shape alone decides (`_shape_uncached`), looked up once.
         self._shape = lru_cache(maxsize=65_536)(self._shape_uncached)
 
@@ -193,11 +195,19 @@ class CostModel:
         return prompt_tokens - cached + (sequences - 1) * (prompt_tokens - max(cached, fork_hit))
 
     def _fork_hit_tokens(self, prompt_tokens: int, sequences: int, forks_share: bool) -> int:
-        """The prompt tokens each fork after the first finds in the prefix cache."""
+        """The prompt tokens each fork after the first is sure to find in the prefix
+        cache. With vLLM's --long-prefill-token-threshold T a step schedules at most T
+        of the first fork's prompt, and the token budget it leaves goes to the later
+        forks, which start on the rest of the prompt themselves: each finds at least
+        the first T tokens' full blocks (a later fork is scheduled only in a step where
+        the budget outlasted the first fork's chunk)."""
         size = self._fork_block_size
         if not forks_share or size is None or sequences < 2:
             return 0
-        return max(0, prompt_tokens - 1) // size * size
+        limit = max(0, prompt_tokens - 1)
+        if self._prefill_chunk_tokens > 0:
+            limit = min(limit, self._prefill_chunk_tokens)
+        return limit // size * size
 
     def cost(
         self,

@@ -260,12 +260,19 @@ class PrefixIndex:
     """Plans prompt-block sharing against the ledger's holders and the server's cache."""
 
     def __init__(self, block_size: int, server: ServerCache,
-                 drops_last_hit: bool = False) -> None:
+                 drops_last_hit: bool = False, prefill_chunk_tokens: int = 0) -> None:
         self.block_size = block_size
         self.server = server
         # With an MTP drafter vLLM gives up the last block of every hit (it computes
         # that block's tokens again, into a block of its own).
         self.drops_last_hit = drops_last_hit
+        # vLLM's --long-prefill-token-threshold (0: none). A step schedules at most this
+        # many of one request's prompt tokens while others are eligible, so the budget
+        # left goes to the requests behind it before it has scheduled the rest of the
+        # prompt: a request behind an admitted holder is sure to find only what the
+        # server had cached plus the holder's first chunk, and computes its own copy of
+        # the rest.
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.query_tokens = 0  # prompt tokens planned, for the hit ratio
         self.hit_tokens = 0  # of which predicted prefix hits
 
@@ -275,6 +282,11 @@ class PrefixIndex:
         # vLLM always computes the last prompt token: hits stop one token short.
         max_hits = max(0, (prompt_tokens - 1) // self.block_size)
         counts = held.holder_counts
+        if self.prefill_chunk_tokens > 0:
+            cached_run = 0
+            while cached_run < min(max_hits, len(keys)) and self.server.cached(keys[cached_run]):
+                cached_run += 1
+            max_hits = min(max_hits, cached_run + self.prefill_chunk_tokens // self.block_size)
         if self.drops_last_hit:
             run = 0  # the leading blocks the server would find: held, or cached
             while run < min(max_hits, len(keys)) and (

@@ -26,7 +26,8 @@ from sidecar.model import KVLayout
 
 
 class PromptSharing:
-    def __init__(self, ledger: Ledger, layout: KVLayout, drops_last_hit: bool = False) -> None:
+    def __init__(self, ledger: Ledger, layout: KVLayout, drops_last_hit: bool = False,
+                 prefill_chunk_tokens: int = 0) -> None:
         self.ledger = ledger
         self.traffic_cache = TrafficCache()
         self.event_cache: EventCache | None = None
@@ -35,6 +36,7 @@ class PromptSharing:
         self._enabled = True
         self._layout = layout
         self._drops_last_hit = drops_last_hit  # an MTP drafter (`PrefixIndex`)
+        self._prefill_chunk_tokens = prefill_chunk_tokens  # `PrefixIndex`
         # Since when kvgate has been waiting for KV cache events: it admitted a request
         # whose prompt blocks the server does not hold, and none came since (vLLM
         # publishes the blocks it stores when it schedules the request). None: no wait.
@@ -43,9 +45,11 @@ class PromptSharing:
 
     # ---- configuration ------------------------------------------------------------
 
-    def set_layout(self, layout: KVLayout, drops_last_hit: bool = False) -> None:
+    def set_layout(self, layout: KVLayout, drops_last_hit: bool = False,
+                   prefill_chunk_tokens: int = 0) -> None:
         self._layout = layout
         self._drops_last_hit = drops_last_hit
+        self._prefill_chunk_tokens = prefill_chunk_tokens
         self._configure()
 
     @property
@@ -86,7 +90,8 @@ class PromptSharing:
         if self.event_cache is not None and self.event_cache.block_size == block_size:
             server = self.event_cache
         counts = (self.index.query_tokens, self.index.hit_tokens) if self.index else (0, 0)
-        self.index = PrefixIndex(block_size, server, self._drops_last_hit)
+        self.index = PrefixIndex(block_size, server, self._drops_last_hit,
+                                 self._prefill_chunk_tokens)
         self.index.query_tokens, self.index.hit_tokens = counts
 
     # ---- one request ------------------------------------------------------------------

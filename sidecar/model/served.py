@@ -75,6 +75,9 @@ class Deployment:
     attention_backend: str | None = None  # None: vLLM's choice for the GPU
     speculative_method: str | None = None  # None: a drafter without KV layers (n-gram)
     async_scheduling: bool = True  # vLLM's default on GPUs; off in its CPU build
+    # vLLM's --long-prefill-token-threshold: the most prompt tokens a step schedules for
+    # one request while others are eligible (0: no cap, vLLM's default).
+    long_prefill_token_threshold: int = 0
     # vLLM's CPU build: the API server's work per request (`per_request_s`) runs on the
     # cores that compute the engine's steps, and lengthens the step it falls in.
     host_shares_device: bool = False
@@ -127,6 +130,9 @@ class Deployment:
             raise DeploymentError("--available-kv-gib must be positive")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override <= 0:
             raise DeploymentError("--num-gpu-blocks-override must be positive")
+        if self.long_prefill_token_threshold < 0:
+            raise DeploymentError("--long-prefill-token-threshold must be 0 or more, got "
+                                  f"{self.long_prefill_token_threshold}")
         if self.mamba_cache_mode is not None and self.mamba_cache_mode not in MAMBA_CACHE_MODES:
             raise DeploymentError(
                 f"--mamba-cache-mode must be one of {', '.join(MAMBA_CACHE_MODES)}, "

@@ -435,6 +435,7 @@ class Services:
             speculative_method=self.settings.speculative_method,
             attention_backend=self.settings.attention_backend,
             async_scheduling=self.settings.async_scheduling,
+            long_prefill_token_threshold=self.settings.long_prefill_token_threshold,
         )
         try:
             served = ServedModel(arch, deployment, self.gpu or GENERIC_DEVICE)

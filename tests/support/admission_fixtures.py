@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from prometheus_client import CollectorRegistry
@@ -58,8 +59,13 @@ class FakeClockLoop(asyncio.SelectorEventLoop):
 
 
 def controller(num_blocks: int = 64, clock: FakeClock | None = None,
+               deployment: dict[str, Any] | None = None,
                **settings: Any) -> AdmissionController:
+    """A controller on the tiny model, its server available; `deployment`: how vLLM was
+    started, where it differs from the defaults (`model.Deployment`'s fields)."""
     served = tiny_served(num_blocks)
+    if deployment:
+        served.deployment = dataclasses.replace(served.deployment, **deployment)
     ctl = AdmissionController(CostModel(served), AdmissionSettings(**settings),
                               clock=clock or FakeClock())
     ctl.update_server(ServerState(available=True))
