@@ -408,6 +408,13 @@ class PrefixMachine(AdmissionMachine):
         # once nothing holds it.
         assert all(ledger.holders(key) == count for key, count in held.items())
         assert ledger.shared_keys == len(held)
+        # Of them, those whose holders' blocks the server has filled, exactly.
+        filled: dict[bytes, int] = {}
+        for ticket, _ in self.running:
+            if ticket.reservation.filled:
+                for key in ticket.reservation.keys:
+                    filled[key] = filled.get(key, 0) + 1
+        assert dict(ledger.filled_holder_counts) == filled
         own = sum(t.reservation.blocks for t, _ in self.running)
         assert ledger.reserved_blocks == own + len(held) * ledger.blocks_per_key
 

@@ -246,14 +246,26 @@ def test_with_a_long_prefill_threshold_a_newcomer_shares_only_the_holder_s_first
     assert second.plan.private == 16  # the holder's blocks 5 to 20, computed again
     assert second.cost.cached_tokens == 4 * BLOCK
     assert ctl.ledger.reserved_blocks == 2 * peak - 4
-    # The holder prefilled: the server has its blocks cached, and a newcomer finds them
-    # all (the cached run, then a chunk more of held blocks, covers the prefix).
+    # The holder prefilled: it holds its blocks filled on the server, which cannot evict
+    # them while it runs, and a newcomer finds them all.
     first.first_token()
     third = admit(ctl, request(ctl, prompt(3)))
     assert third.cost.shared_blocks == 20 and third.cost.cached_tokens == 20 * BLOCK
     for ticket in (first, second, third):
         ticket.finish(64)
     assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.shared_keys == 0
+    assert ctl.ledger.filled_holder_counts == {}
+    # Cached on the server but held by no running request, the prefix may be evicted
+    # before a new holder is scheduled, which then computes it from the start: the
+    # request behind that holder is sure of the first chunk only (found cached, it is
+    # still not prefilled again, if it is still there).
+    holder = admit(ctl, request(ctl, prompt(4)))
+    assert holder.cost.cached_tokens == 20 * BLOCK
+    behind = admit(ctl, request(ctl, prompt(5)))
+    assert behind.cost.shared_blocks == 4 and behind.plan.private == 16
+    for ticket in (holder, behind):
+        ticket.finish(64)
+    assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.filled_holder_counts == {}
     # Without a threshold the newcomer behind the holder shares the whole prefix.
     plain = controller(num_blocks=256)
     holder = admit(plain, request(plain, prompt(1)))
@@ -261,6 +273,33 @@ def test_with_a_long_prefill_threshold_a_newcomer_shares_only_the_holder_s_first
     assert behind.cost.shared_blocks == 20 and behind.plan.private == 0
     for ticket in (holder, behind):
         ticket.finish(64)
+
+
+def test_with_a_long_prefill_threshold_filled_blocks_count_when_they_reach_further(
+        ) -> None:
+    # A running request holds the prefix's first 5 blocks filled: a newcomer behind a
+    # holder not yet prefilled is sure of them (more than the chunk's 4 blocks), and of
+    # no more; with an MTP drafter its own hit gives up the last of them.
+    ctl = controller(num_blocks=256, deployment={
+        "num_speculative_tokens": 1, "speculative_method": "mtp",
+        "long_prefill_token_threshold": 4 * BLOCK + 5})
+    running = admit(ctl, request(ctl, PREFIX[:5 * BLOCK] + [7] * 40))
+    running.first_token()
+    holder = admit(ctl, request(ctl, prompt(1)))
+    behind = admit(ctl, request(ctl, prompt(2)))
+    assert behind.cost.shared_blocks == 4 and behind.plan.private == 16
+    for ticket in (running, holder, behind):
+        ticket.finish(64)
+    assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.filled_holder_counts == {}
+    plain = controller(num_blocks=256, deployment={"long_prefill_token_threshold": 4 * BLOCK + 5})
+    running = admit(plain, request(plain, PREFIX[:5 * BLOCK] + [7] * 40))
+    running.first_token()
+    holder = admit(plain, request(plain, prompt(1)))
+    behind = admit(plain, request(plain, prompt(2)))
+    assert behind.cost.shared_blocks == 5 and behind.plan.private == 15
+    for ticket in (running, holder, behind):
+        ticket.finish(64)
+    assert plain.ledger.reserved_blocks == 0
 
 
 def test_with_an_mtp_drafter_a_hit_gives_up_its_last_block() -> None:

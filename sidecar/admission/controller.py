@@ -443,9 +443,10 @@ class AdmissionController:
             clamped = (f" (max_tokens {request.max_tokens} clamped to the context left, as "
                        "vLLM clamps it)" if request.max_tokens is not None
                        and request.max_tokens > cost.output_tokens else "")
-            once = (" (the prompt's full blocks held once)" if self.cost_model.fork_shared_blocks(
+            fork_shared = self.cost_model.fork_shared_blocks(
                 request.prompt_tokens, request.sequences, forks_share=request.forks_share)
-                else "")
+            once = (f" ({fork_shared} fewer than apart: the forks share prompt blocks)"
+                    if fork_shared else "")
             what = (f"{request.sequences} x ({request.prompt_tokens} prompt + "
                     f"{cost.output_tokens} output) tokens{clamped} need "
                     f"{cost.kv_blocks + cost.shared_blocks} KV blocks at their peak{once}, "

@@ -180,7 +180,8 @@ class CostModel:
         finds the prompt's full blocks cached: all but the last token's, which vLLM
         always computes. On vLLM 0.32 CPU, blocks of 32 tokens
         (`tests/test_e2e_forks.py`): n = 4 forks of an 863-token prompt, 120 output
-        tokens each, held 46 blocks (26 shared + 4 x 5), where 4 requests hold 124."""
+        tokens each, held 46 blocks (26 shared + 4 x 5), where 4 requests hold 124.
+        With a long-prefill threshold, only its first chunk (`_fork_hit_tokens`)."""
         size = self._fork_block_size
         hit = self._fork_hit_tokens(prompt_tokens, sequences, forks_share)
         return (sequences - 1) * self._fork_groups * (hit // size) if size else 0

@@ -63,10 +63,12 @@ class Reservation:
         return self._filled
 
     def mark_filled(self) -> bool:
-        """Its prompt blocks are on the server now. True the first time only."""
+        """Its prompt blocks are on the server now, and stay there while it runs. True
+        the first time only."""
         if self._released or self._filled:
             return False
         self._filled = True
+        self._ledger._fill(self)
         return True
 
     @property
@@ -132,6 +134,9 @@ class Ledger:
         self._excess_by_engine = [0] * engines
         self.blocks_per_key = 1
         self._holders: dict[bytes, int] = {}
+        # Of those, the holders whose prompt blocks the server has filled: running
+        # requests, whose blocks vLLM cannot evict (all engines).
+        self._filled_holders: dict[bytes, int] = {}
         # Per engine; with one engine, the same dictionary as `_holders`.
         self._engine_holders: list[dict[bytes, int]] = (
             [self._holders] if engines == 1 else [{} for _ in range(engines)])
@@ -193,7 +198,10 @@ class Ledger:
         self._reserved -= reservation.blocks
         self._reserved_by_engine[reservation.engine] -= reservation.blocks
         self._overcommit -= reservation.worst_case_blocks - reservation.blocks
-        for holders in self._holders_of(reservation.engine):
+        counted = self._holders_of(reservation.engine)
+        if reservation.filled:
+            counted += (self._filled_holders,)
+        for holders in counted:
             for key in reservation.keys:
                 left = holders[key] - 1
                 if left < 0:
@@ -202,6 +210,13 @@ class Ledger:
                     holders[key] = left
                 else:
                     del holders[key]
+
+    def _fill(self, reservation: Reservation) -> None:
+        if self._held.get(reservation.key) is not reservation:
+            raise LedgerError(f"{reservation!r} is not held by this ledger")
+        filled = self._filled_holders
+        for key in reservation.keys:
+            filled[key] = filled.get(key, 0) + 1
 
     def _adjust(self, reservation: Reservation, blocks: int) -> None:
         if self._held.get(reservation.key) is not reservation:
@@ -247,6 +262,12 @@ class Ledger:
         """`holders` of every prompt block held (a block no request holds is absent):
         for loops over a prompt's blocks."""
         return self._holders
+
+    @property
+    def filled_holder_counts(self) -> Mapping[bytes, int]:
+        """Of `holder_counts`, the holders the server has filled the prompt blocks of:
+        blocks it keeps until they finish."""
+        return self._filled_holders
 
     @property
     def held_prompt_blocks(self) -> int:

@@ -31,6 +31,12 @@ shared, whether or not its holder has been prefilled yet. Measured on vLLM 0.32 
 vLLM's own counter (bench/prefix_burst.py). A block beyond a request's last
 possible hit (its last prompt token is always computed) is a copy of its own.
 
+With vLLM's --long-prefill-token-threshold T, a prefill takes at most T tokens a step
+while others are eligible, and the budget left goes to the requests behind it: a
+request behind a holder not yet prefilled is sure to find only the holder's first chunk,
+or the blocks running requests hold filled where they reach further
+(`PrefixIndex.prefill_chunk_tokens`), and holds its own copy of the rest.
+
 Sharing saves blocks only in the KV cache groups that keep a request's prompt blocks
 for its whole life (full attention, MLA); sliding-window and state groups are
 charged per request.
@@ -255,6 +261,9 @@ class HeldBlocks(Protocol):
     @property
     def holder_counts(self) -> Mapping[bytes, int]: ...
 
+    @property
+    def filled_holder_counts(self) -> Mapping[bytes, int]: ...
+
 
 class PrefixIndex:
     """Plans prompt-block sharing against the ledger's holders and the server's cache."""
@@ -269,9 +278,12 @@ class PrefixIndex:
         # vLLM's --long-prefill-token-threshold (0: none). A step schedules at most this
         # many of one request's prompt tokens while others are eligible, so the budget
         # left goes to the requests behind it before it has scheduled the rest of the
-        # prompt: a request behind an admitted holder is sure to find only what the
-        # server had cached plus the holder's first chunk, and computes its own copy of
-        # the rest.
+        # prompt, and they compute their own copy of the rest. A request behind an
+        # admitted holder is sure to find the longer of: the holder's first chunk (from
+        # wherever the holder started), and the leading blocks running requests hold
+        # filled (the server cannot evict those; a block merely cached can be gone by
+        # the time it is scheduled, and a holder already under way may have started
+        # before those blocks were filled).
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self.query_tokens = 0  # prompt tokens planned, for the hit ratio
         self.hit_tokens = 0  # of which predicted prefix hits
@@ -282,37 +294,43 @@ class PrefixIndex:
         # vLLM always computes the last prompt token: hits stop one token short.
         max_hits = max(0, (prompt_tokens - 1) // self.block_size)
         counts = held.holder_counts
+        # Held blocks past `sure` are not found: the holder has not scheduled them yet
+        # (a long-prefill threshold; the server's cached blocks are found regardless).
+        sure = len(keys)
         if self.prefill_chunk_tokens > 0:
-            cached_run = 0
-            while cached_run < min(max_hits, len(keys)) and self.server.cached(keys[cached_run]):
-                cached_run += 1
-            max_hits = min(max_hits, cached_run + self.prefill_chunk_tokens // self.block_size)
+            filled = held.filled_holder_counts
+            pinned = 0
+            while pinned < min(max_hits, len(keys)) and filled.get(keys[pinned], 0) > 0:
+                pinned += 1
+            sure = max(pinned, self.prefill_chunk_tokens // self.block_size)
         if self.drops_last_hit:
             run = 0  # the leading blocks the server would find: held, or cached
             while run < min(max_hits, len(keys)) and (
-                    counts.get(keys[run], 0) > 0 or self.server.cached(keys[run])):
+                    (run < sure and counts.get(keys[run], 0) > 0)
+                    or self.server.cached(keys[run])):
                 run += 1
             max_hits = min(max_hits, max(0, run - 1))
         shared = 0
         cached = 0
         leading = True
-        cached_run = True
+        in_cached_run = True
         refs: list[bytes] = []
         private = 0
         for index, key in enumerate(keys):
             holders = counts.get(key, 0)
             hit = index < max_hits
-            if cached_run and hit and (holders > 0 or self.server.cached(key)):
+            found = holders > 0 and index < sure
+            if in_cached_run and hit and (found or self.server.cached(key)):
                 cached += 1
             else:
-                cached_run = False
-            if leading and hit and holders > 0:
+                in_cached_run = False
+            if leading and hit and found:
                 shared += 1
                 refs.append(key)
                 continue
             leading = False
             if holders > 0:
-                private += 1  # past its last possible hit: it computes its own copy
+                private += 1  # past its last sure hit: it computes its own copy
             else:
                 refs.append(key)
         return PrefixPlan(shared, tuple(refs), private, cached * self.block_size)
