@@ -7,6 +7,8 @@ import asyncio
 import json
 from typing import Any
 
+import pytest
+
 from sidecar.admission import AdmissionController, AdmissionRequest, Ticket
 from sidecar.admission.prefix import ROOT_KEY, EventCache, TrafficCache, block_keys, chain_key
 from sidecar.model.units import cdiv
@@ -275,31 +277,25 @@ def test_with_a_long_prefill_threshold_a_newcomer_shares_only_the_holder_s_first
         ticket.finish(64)
 
 
+@pytest.mark.parametrize(("drafter", "shared", "private"), [
+    ({}, 5, 15),
+    ({"num_speculative_tokens": 1, "speculative_method": "mtp"}, 4, 16),
+])
 def test_with_a_long_prefill_threshold_filled_blocks_count_when_they_reach_further(
-        ) -> None:
+        drafter: dict[str, Any], shared: int, private: int) -> None:
     # A running request holds the prefix's first 5 blocks filled: a newcomer behind a
     # holder not yet prefilled is sure of them (more than the chunk's 4 blocks), and of
     # no more; with an MTP drafter its own hit gives up the last of them.
     ctl = controller(num_blocks=256, deployment={
-        "num_speculative_tokens": 1, "speculative_method": "mtp",
-        "long_prefill_token_threshold": 4 * BLOCK + 5})
+        **drafter, "long_prefill_token_threshold": 4 * BLOCK + 5})
     running = admit(ctl, request(ctl, PREFIX[:5 * BLOCK] + [7] * 40))
     running.first_token()
     holder = admit(ctl, request(ctl, prompt(1)))
     behind = admit(ctl, request(ctl, prompt(2)))
-    assert behind.cost.shared_blocks == 4 and behind.plan.private == 16
+    assert behind.cost.shared_blocks == shared and behind.plan.private == private
     for ticket in (running, holder, behind):
         ticket.finish(64)
     assert ctl.ledger.reserved_blocks == 0 and ctl.ledger.filled_holder_counts == {}
-    plain = controller(num_blocks=256, deployment={"long_prefill_token_threshold": 4 * BLOCK + 5})
-    running = admit(plain, request(plain, PREFIX[:5 * BLOCK] + [7] * 40))
-    running.first_token()
-    holder = admit(plain, request(plain, prompt(1)))
-    behind = admit(plain, request(plain, prompt(2)))
-    assert behind.cost.shared_blocks == 5 and behind.plan.private == 15
-    for ticket in (running, holder, behind):
-        ticket.finish(64)
-    assert plain.ledger.reserved_blocks == 0
 
 
 def test_with_an_mtp_drafter_a_hit_gives_up_its_last_block() -> None:
