@@ -439,6 +439,38 @@ def test_a_prefill_is_priced_whole_at_every_prompt_length() -> None:
         assert model.prefill_s(p, running, context) == pytest.approx(exact.seconds, rel=1e-3)
 
 
+def test_a_prefill_beside_running_requests_is_priced_in_chunks_of_the_long_prefill_threshold(
+) -> None:
+    """With the server's --long-prefill-token-threshold a prompt gets at most that many
+    tokens a step while others run: more steps, each with its fixed costs and the
+    running requests' decodes. Alone, it gets the whole budget, as without one."""
+    plain = CostModel(tiny_served(256))
+    served = plain.served
+    capped = CostModel(ServedModel(served.arch, replace(
+        served.deployment, long_prefill_token_threshold=128), served.gpu))
+    prices = []
+    for prompt in range(1, 1000):
+        exact = capped.served.prefill(prompt, (512,) * 3)
+        assert exact is not None
+        # priced whole however the chunk boundaries (every 128 tokens) cut the buckets
+        prices.append(capped.prefill_s(prompt, 3, 600))
+        assert prices[-1] == pytest.approx(exact.seconds, rel=1e-3)
+        if prompt > 128:
+            assert prices[-1] > plain.prefill_s(prompt, 3, 600)
+        assert capped.prefill_s(prompt) == pytest.approx(plain.prefill_s(prompt), rel=1e-12)
+    assert all(b >= a for a, b in itertools.pairwise(prices))
+    assert capped.prefill_s(100, 3, 600) == pytest.approx(plain.prefill_s(100, 3, 600),
+                                                          rel=1e-12)
+    # Prompts ahead share the steps' budget with it: the threshold caps each prompt, not
+    # their sum. Behind two of 640 tokens, its own five chunks of 128 take longest.
+    own = capped.cost(640, 8, running=3, mean_context=600)
+    behind = capped.cost(640, 8, running=3, mean_context=600, ahead_tokens=1280)
+    together = capped.prefill_s(1920, 3, 600, capped=False)
+    assert together == pytest.approx(plain.prefill_s(1920, 3, 600), rel=1e-12)
+    assert behind.prefill_model_s == pytest.approx(max(own.prefill_model_s, together))
+    assert behind.prefill_model_s < capped.prefill_s(1920, 3, 600)
+
+
 def test_prompts_admitted_before_and_not_yet_prefilled_are_ahead_in_the_ttft() -> None:
     """vLLM prefills first come, first served: three prompts sent together see their
     first tokens after the prompts before them. A request's predicted time to first

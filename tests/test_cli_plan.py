@@ -474,12 +474,14 @@ def test_vllm_args_carry_every_setting_the_plan_was_given(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     settings = ["--dtype", "fp8", "--kv-cache-dtype", "fp8", "--max-num-batched-tokens",
                 "4096", "--no-prefix-cache", "--data-parallel-size", "2",
-                "--num-speculative-tokens", "3", "--speculative-method", "ngram"]
+                "--num-speculative-tokens", "3", "--speculative-method", "ngram",
+                "--long-prefill-token-threshold", "512"]
     base = ["plan", "--model", "Qwen/Qwen3-8B", "--gpu", "H100", *settings]
     assert main([*base, "--print", "vllm-args"]) == 0
     command = capsys.readouterr().out
     for flag in ("--quantization fp8", "--kv-cache-dtype fp8", "--max-num-batched-tokens 4096",
                  "--no-enable-prefix-caching", "--data-parallel-size 2",
+                 "--long-prefill-token-threshold 512",
                  """--speculative-config '{"method": "ngram", "num_speculative_tokens": 3}'"""):
         assert flag in command
     # Without a method vLLM would take a draft model it is not given: no flag, a note.
@@ -509,6 +511,8 @@ def test_vllm_args_carry_every_setting_the_plan_was_given(
                   if c["name"] == "kvgate")
     env = {e["name"]: e.get("value") for e in kvgate["env"]}
     assert env["KVGATE_MAX_NUM_BATCHED_TOKENS"] == "4096"
+    assert env["KVGATE_LONG_PREFILL_TOKEN_THRESHOLD"] == "512"
+    assert args[args.index("--long-prefill-token-threshold") + 1] == "512"
     assert (env["KVGATE_NUM_SPECULATIVE_TOKENS"], env["KVGATE_SPECULATIVE_METHOD"]) == (
         "3", "ngram")
 

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 from sidecar.model import Deployment, ServedModel, custom_gpu, parse_config
+from sidecar.model.errors import ModelError
 from sidecar.model.latency import Prefill
 from sidecar.model.planning import ChainCall, chain, steady_latency
 from sidecar.model.simulator import (
@@ -42,12 +43,13 @@ HYBRID = {**TINY_LLAMA, "model_type": "gemma2", "num_hidden_layers": 2, "head_di
 
 
 def served(blocks: int = 256, block: int = 16, chunk: int = 2048, seqs: int = 256,
-           config: dict[str, Any] | None = None, max_len: int = 4096) -> ServedModel:
+           config: dict[str, Any] | None = None, max_len: int = 4096,
+           long_prefill: int = 0) -> ServedModel:
     return ServedModel(parse_config({**(config or TINY_LLAMA),
                                      "max_position_embeddings": max_len}, "tiny"),
                        Deployment(block_size=block, max_model_len=max_len,
                                   num_gpu_blocks_override=blocks, max_num_batched_tokens=chunk,
-                                  max_num_seqs=seqs),
+                                  max_num_seqs=seqs, long_prefill_token_threshold=long_prefill),
                        custom_gpu(16, 100, 1))
 
 
@@ -91,6 +93,40 @@ def test_chunked_prefill_splits_a_long_prompt_by_the_token_budget() -> None:
         model.efficiency.per_request_s + sum(chunks), rel=1e-12)
     assert result.records[0].ttft_s == pytest.approx(
         roofline.prefill(1000, (), 256).seconds, rel=1e-12)
+
+
+def test_a_long_prefill_threshold_caps_a_prompt_only_beside_other_requests() -> None:
+    """--long-prefill-token-threshold 200: B's 1,000 prompt tokens get 200 a step while
+    A is running (A's 100 fit under the cap), so its first token ends step 5, not step 1;
+    alone, B gets the whole budget. (vLLM's own scheduler takes the same steps:
+    test_simulator_vllm_scheduler.py, the long-prefill cases.)"""
+    for model, step in ((served(), 1), (served(long_prefill=200), 5)):
+        result = run(model, [SimRequest(0.0, 100, 50), SimRequest(0.0, 1000, 2)])
+        ends = [t for t, _ in result.kv_samples]
+        assert result.records[1].ttft_s == pytest.approx(
+            ends[step - 1] + model.efficiency.per_request_s, rel=1e-12)
+        alone = run(model, [SimRequest(0.0, 1000, 2)])
+        assert alone.steps == 2
+    with pytest.raises(ModelError, match="long_prefill_token_threshold must be 0 or more"):
+        replace(EngineConfig.of(served()), long_prefill_token_threshold=-1)
+
+
+def test_the_predicted_prefill_follows_the_long_prefill_threshold() -> None:
+    """What admission and calibration price: beside decoding requests a prompt runs in
+    chunks of at most the threshold; alone, in chunks of the budget."""
+    capped, plain = served(long_prefill=200), served()
+    roofline = capped.roofline
+    assert roofline is not None
+    running = (300, 300, 300)
+    steps = [roofline.step([Prefill(200, done)], running).seconds
+             for done in range(0, 1000, 200)]
+    assert capped.prefill(1000, running).seconds == pytest.approx(
+        capped.efficiency.per_request_s + sum(steps), rel=1e-12)
+    assert plain.prefill(1000, running).seconds < capped.prefill(1000, running).seconds
+    assert capped.prefill(1000).seconds == pytest.approx(plain.prefill(1000).seconds,
+                                                         rel=1e-12)
+    assert [capped.prefill_chunk_tokens(r) for r in (0, 3)] == [2048, 200]
+    assert [plain.prefill_chunk_tokens(r) for r in (0, 3)] == [2048, 2045]
 
 
 def test_decodes_share_the_budget_with_a_chunked_prefill() -> None:
@@ -721,6 +757,16 @@ def test_simulate_follows_a_server_without_asynchronous_scheduling(tmp_path: Pat
     assert (runs[True]["vllm"]["steps"], runs[False]["vllm"]["steps"]) == (20, 27)
     code, out, _ = _cli([*base[:-1], "--no-async-scheduling"])
     assert "no asynchronous scheduling" in out and "CPU build" not in out
+    # --long-prefill-token-threshold: in the settings, and the 100-token prompts beside
+    # each other take 2 steps each in chunks of at most 64
+    code, out, _ = _cli([*base, "--long-prefill-token-threshold", "64"])
+    assert code == 0
+    capped = json.loads(out)
+    assert capped["settings"]["long_prefill_token_threshold"] == 64
+    assert runs[False]["settings"]["long_prefill_token_threshold"] == 0
+    assert capped["vllm"]["steps"] > runs[False]["vllm"]["steps"]
+    code, out, _ = _cli([*base[:-1], "--long-prefill-token-threshold", "64"])
+    assert "--long-prefill-token-threshold 64" in out
     # --cpu-build: the same scheduling, and the API server's work on the engine's cores
     code, out, _ = _cli([*base, "--cpu-build"])
     assert code == 0

@@ -42,11 +42,11 @@ HYBRID = {**TINY_LLAMA, "model_type": "gemma2", "num_hidden_layers": 2, "head_di
 
 
 def served(config: dict[str, Any], blocks: int, chunk: int, max_len: int,
-           seqs: int) -> ServedModel:
+           seqs: int, long_prefill: int = 0) -> ServedModel:
     return ServedModel(parse_config({**config, "max_position_embeddings": max_len}, "tiny"),
                        Deployment(block_size=16, max_model_len=max_len,
                                   num_gpu_blocks_override=blocks, max_num_batched_tokens=chunk,
-                                  max_num_seqs=seqs),
+                                  max_num_seqs=seqs, long_prefill_token_threshold=long_prefill),
                        custom_gpu(16, 100, 1))
 
 
@@ -67,6 +67,16 @@ CASES: dict[str, tuple[Any, list[tuple[int, int]], bool]] = {
                              [(100, 1 + k % 4) for k in range(64)], True),
     "hybrid-window-waits": (lambda: served(HYBRID, 236, 128, 1140, 64), [(1024, 100)] * 3,
                             True),
+    # --long-prefill-token-threshold 200: prompts of 1,000-3,000 tokens get 200 tokens a
+    # step while another request is eligible; the last one left, the whole budget.
+    "long-prefill-threshold": (lambda: served(TINY_LLAMA, 512, 2048, 4096, 256, 200),
+                               [(1_000, 40), (3_000, 8), (700, 60), (2_500, 3)], True),
+    "long-prefill-threshold-alone": (lambda: served(TINY_LLAMA, 512, 2048, 4096, 256, 200),
+                                     [(300, 2), (3_000, 4)], True),
+    # ... and with a pool too small for all of them at once (preemptions).
+    "long-prefill-threshold-small-pool": (lambda: served(TINY_LLAMA, 150, 1024, 4096, 256,
+                                                         200),
+                                          [(1_000, 200), (1_200, 150), (900, 250)], True),
     "gpt-oss-120b-h100-32000x100": (_gpt_oss_on_h100, [(32_000, 100)] * 100, True),
     "gpt-oss-120b-h100-2000x500": (_gpt_oss_on_h100, [(2_000, 100)] * 500, True),
 }
@@ -91,6 +101,7 @@ def _case(model: ServedModel, requests: list[tuple[int, int]],
                    for group in model.layout.groups],
         "requests": requests,
         "async_scheduling": asynchronous,
+        "long_prefill_token_threshold": model.long_prefill_cap,
     }
 
 

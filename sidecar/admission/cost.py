@@ -122,6 +122,7 @@ class CostModel:
         self._blocks = lru_cache(maxsize=65_536)(served.blocks_for_request)
         self.lifecycle = served.lifecycle
         self._prefill = lru_cache(maxsize=16_384)(self._prefill_uncached)
+        self._chunk_tokens = lru_cache(maxsize=1_024)(served.prefill_chunk_tokens)
         self._tpot = lru_cache(maxsize=16_384)(self._tpot_uncached)
         self._pickup = lru_cache(maxsize=16_384)(self._pickup_uncached)
         self._flops_per_token = 2.0 * served.arch.params_active()
@@ -291,14 +292,15 @@ class CostModel:
         """The TTFT from the server's taking the request in (the running requests' steps
         it waits for, the prompts ahead, its own prefill) and the TPOT. With prompts
         ahead, the steps it waits for are theirs, in their prefill already: the TTFT is
-        the longer of that prefill with theirs and its own after the steps in flight
-        (a prompt ahead never makes a request's first token sooner). `own_prefill_s`:
-        `prefill_s` of its own inputs."""
+        the longer of that prefill with theirs (together, sharing the step's budget: a
+        long-prefill threshold caps each prompt, not their sum) and its own after the
+        steps in flight (a prompt ahead never makes a request's first token sooner).
+        `own_prefill_s`: `prefill_s` of its own inputs."""
         own_s = self.pickup_s(inputs.running, inputs.mean_context) + own_prefill_s
         if inputs.ahead_tokens:
             own_s = max(own_s, self.prefill_s(inputs.prefilled_tokens + inputs.ahead_tokens,
                                               inputs.running, inputs.mean_context,
-                                              inputs.cached_tokens))
+                                              inputs.cached_tokens, capped=False))
         return own_s, self.tpot_s(inputs.batch, inputs.context_tokens)
 
     def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int, *,
@@ -328,24 +330,31 @@ class CostModel:
         return max(0.0, prefill_s - self.served.efficiency.per_request_s)
 
     def prefill_s(self, prompt_tokens: int, running: int = 0, mean_context: int = 0,
-                  cached_tokens: int = 0) -> float:
-        """Prefill of `prompt_tokens` new tokens after `cached_tokens` of prefix hits.
+                  cached_tokens: int = 0, capped: bool = True) -> float:
+        """Prefill of `prompt_tokens` new tokens after `cached_tokens` of prefix hits
+        (`capped` False: several prompts' tokens, which vLLM's long-prefill threshold
+        caps one by one, not together).
 
         Priced at the bucket boundaries either side and interpolated between them (exact
         below the first): the fixed costs (per request, per step) stay whole at any
         length, where scaling one bucket's price by the share of it used would cut them
-        too."""
+        too. Both ends take as many steps as the prompt (a bucket that a chunk boundary
+        cuts is priced on the prompt's side of it), so each step's costs stay whole too."""
         context = (mean_context // _CONTEXT_BUCKET) * _CONTEXT_BUCKET
         cached = (cached_tokens // _CONTEXT_BUCKET) * _CONTEXT_BUCKET
         prompt = max(1, prompt_tokens)
-        low = (prompt // _PROMPT_BUCKET) * _PROMPT_BUCKET
+        bucket = (prompt // _PROMPT_BUCKET) * _PROMPT_BUCKET
+        chunk = self._chunk_tokens(running, capped)
+        before = ((prompt - 1) // chunk) * chunk  # the tokens of the chunks before its last
+        low = max(bucket, before + 1) if before else bucket
         if low == 0:
-            return self._prefill(prompt, running, context, cached)
-        below = self._prefill(low, running, context, cached)
+            return self._prefill(prompt, running, context, cached, capped)
+        below = self._prefill(low, running, context, cached, capped)
         if low == prompt:
             return below
-        above = self._prefill(low + _PROMPT_BUCKET, running, context, cached)
-        return below + (above - below) * (prompt - low) / _PROMPT_BUCKET
+        high = min(bucket + _PROMPT_BUCKET, before + chunk)
+        above = self._prefill(high, running, context, cached, capped)
+        return below + (above - below) * (prompt - low) / (high - low)
 
     def pickup_s(self, running: int, mean_context: int) -> float:
         """What a request waits for the running requests' steps before its prefill
@@ -358,8 +367,9 @@ class CostModel:
         context = max(1, (mean_context // _CONTEXT_BUCKET) * _CONTEXT_BUCKET)
         return self._tpot(max(1, batch), context)
 
-    def _prefill_uncached(self, prompt: int, running: int, context: int, cached: int) -> float:
-        phase = self.served.prefill(prompt, (max(1, context),) * running, cached)
+    def _prefill_uncached(self, prompt: int, running: int, context: int, cached: int,
+                          capped: bool) -> float:
+        phase = self.served.prefill(prompt, (max(1, context),) * running, cached, capped)
         return 0.0 if phase is None else phase.seconds
 
     def _pickup_uncached(self, running: int, context: int) -> float:

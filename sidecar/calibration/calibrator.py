@@ -147,7 +147,7 @@ class Calibrator:
                 prefill = served.prefill(tokens, running)
                 wait = served.pickup(running, wait_steps)
                 phase = None if prefill is None or wait is None else wait.plus(prefill)
-                chunk = max(1, served.max_num_batched_tokens - batch)
+                chunk = served.prefill_chunk_tokens(batch)
                 steps = float(-(-tokens // chunk))
                 sequences, request = steps * (batch + 1), 1.0
                 if batch:

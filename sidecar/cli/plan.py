@@ -422,6 +422,8 @@ def served_flags(args: argparse.Namespace) -> list[str]:
         flags.append(f"--kv-cache-dtype {args.kv_cache_dtype}")
     if args.max_num_batched_tokens is not None:
         flags.append(f"--max-num-batched-tokens {args.max_num_batched_tokens}")
+    if args.long_prefill_token_threshold:
+        flags.append(f"--long-prefill-token-threshold {args.long_prefill_token_threshold}")
     if args.data_parallel_size > 1:
         flags.append(f"--data-parallel-size {args.data_parallel_size}")
     if args.no_prefix_cache:
@@ -475,6 +477,8 @@ def kvgate_env(result: dict[str, Any], args: argparse.Namespace) -> list[dict[st
         if args.speculative_method else None,
         "KVGATE_SPECULATIVE_METHOD": args.speculative_method,
         "KVGATE_ATTENTION_BACKEND": args.attention_backend,
+        # The server does not report it.
+        "KVGATE_LONG_PREFILL_TOKEN_THRESHOLD": args.long_prefill_token_threshold or None,
     }
     return [{"name": name, "value": str(value)} for name, value in env.items()
             if value is not None]

@@ -110,6 +110,11 @@ def add_served_model_args(parser: Parser) -> None:
                       help="tokens per engine step (default: vLLM's default for the GPU)")
     vllm.add_argument("--max-num-seqs", type=positive_int, metavar="N",
                       help="vLLM's cap on running sequences (default: vLLM's default)")
+    vllm.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=0,
+                      metavar="N",
+                      help="vLLM's flag of that name: while other requests are running or "
+                           "waiting, a step gives one prompt at most N tokens (default: 0, "
+                           "no cap)")
     vllm.add_argument("--num-gpu-blocks-override", type=positive_int, metavar="N",
                       help="a forced number of KV blocks, as vLLM's flag of that name")
     vllm.add_argument("--available-kv-gib", type=memory_gib, metavar="X",
@@ -217,6 +222,7 @@ def deployment_from_args(args: argparse.Namespace) -> Deployment:
         block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
         num_gpu_blocks_override=args.num_gpu_blocks_override,
         available_kv_bytes=round(args.available_kv_gib * GIB) if args.available_kv_gib else None,
         enable_prefix_caching=not args.no_prefix_cache,

@@ -114,6 +114,7 @@ def run_simulation(args: argparse.Namespace) -> dict[str, Any]:
         "settings": {
             "max_num_seqs": config.max_num_seqs,
             "max_num_batched_tokens": config.max_num_batched_tokens,
+            "long_prefill_token_threshold": config.long_prefill_token_threshold,
             "block_size": served.block_size,
             "usable_blocks": config.usable_blocks,
             "policy": config.policy,
@@ -149,7 +150,10 @@ def format_report(result: dict[str, Any]) -> str:
     head = (f"{result['model']} on {result['gpu']} x{result['tp']}: "
             f"{settings['usable_blocks']:,} KV blocks of {settings['block_size']} tokens, "
             f"--max-num-seqs {settings['max_num_seqs']}, --max-num-batched-tokens "
-            f"{settings['max_num_batched_tokens']:,}, {settings['policy']}, prefix cache "
+            f"{settings['max_num_batched_tokens']:,}, "
+            + (f"--long-prefill-token-threshold {settings['long_prefill_token_threshold']:,}, "
+               if settings["long_prefill_token_threshold"] else "")
+            + f"{settings['policy']}, prefix cache "
             f"{'on' if settings['prefix_caching'] else 'off'}"
             + ("" if settings["async_scheduling"] else ", no asynchronous scheduling")
             + (", the API server on the engine's cores (CPU build)"

@@ -324,13 +324,17 @@ class Roofline:
         running_contexts: Sequence[int] = (),
         chunk_tokens: int | None = None,
         cached_tokens: int = 0,
+        cap_tokens: int = 0,
     ) -> PhaseCost:
         """The steps that prefill one prompt while `running_contexts` keep decoding.
 
         With chunked prefill a long prompt runs in chunks of `chunk_tokens` (vLLM's
-        max_num_batched_tokens less the decode tokens sharing each step).
+        max_num_batched_tokens less the decode tokens sharing each step), and of at most
+        `cap_tokens` while others run (its --long-prefill-token-threshold; 0: no cap).
         """
         budget = max(1, (chunk_tokens or prompt_tokens) - len(running_contexts))
+        if cap_tokens > 0 and running_contexts:
+            budget = min(budget, cap_tokens)
         steps: list[StepCost] = []
         done = 0
         while done < max(prompt_tokens, 1):

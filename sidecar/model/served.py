@@ -242,6 +242,22 @@ class ServedModel:
         return min(server_defaults(self.gpu)[1], self.max_num_batched_tokens)
 
     @property
+    def long_prefill_cap(self) -> int:
+        """The most prompt tokens of one request a step schedules while other requests
+        are eligible (vLLM's --long-prefill-token-threshold; 0: no cap beyond the
+        budget). A request alone gets the whole budget."""
+        return self.deployment.long_prefill_token_threshold
+
+    def prefill_chunk_tokens(self, running: int, capped: bool = True) -> int:
+        """Prompt tokens of one request a step schedules beside `running` decoding
+        requests: the budget they leave, capped by `long_prefill_cap` when there are
+        any (and `capped`: False for several prompts' tokens together, which share the
+        budget)."""
+        chunk = max(1, self.max_num_batched_tokens - running)
+        cap = self.long_prefill_cap
+        return min(chunk, cap) if running and cap and capped else chunk
+
+    @property
     def in_flight_tokens(self) -> int:
         """Tokens scheduled but not yet settled (vLLM's max_in_flight_tokens)."""
         return self.deployment.max_concurrent_batches * self.max_num_batched_tokens
@@ -436,14 +452,17 @@ class ServedModel:
         prompt_tokens: int,
         running_contexts: tuple[int, ...] = (),
         cached_tokens: int = 0,
+        capped: bool = True,
     ) -> PhaseCost | None:
         """The steps that prefill one prompt (after `cached_tokens` of prefix-cache hits)
-        while `running_contexts` decode alongside."""
+        while `running_contexts` decode alongside; `capped` False: several prompts'
+        tokens together, not held to `long_prefill_cap` each."""
         roofline = self.roofline
         if roofline is None:
             return None
         return roofline.prefill(
-            prompt_tokens, running_contexts, self.max_num_batched_tokens, cached_tokens
+            prompt_tokens, running_contexts, self.max_num_batched_tokens, cached_tokens,
+            self.long_prefill_cap if capped else 0,
         )
 
     def pickup(self, running_contexts: tuple[int, ...],

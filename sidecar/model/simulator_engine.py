@@ -5,7 +5,9 @@ It follows `vllm/v1/core/sched/scheduler.py` (vLLM 0.32), one `schedule()` per s
 
 1. running requests first: every decoding request gets 1 token of the step's budget
    (`max_num_batched_tokens`), a request still prefilling gets the rest of its prompt
-   up to what is left (chunked prefill); each allocates the KV blocks its step needs;
+   up to what is left (chunked prefill), at most `long_prefill_token_threshold` of it
+   while more than one request is running or waiting; each allocates the KV blocks its
+   step needs;
 2. when a running request cannot get its blocks, the lowest-priority running request
    (FCFS: the one admitted last; priority: the largest (priority, arrival)) is
    preempted: its blocks are freed and it goes back to the front of the waiting queue,
@@ -50,10 +52,10 @@ batch, mean decode context), the token figures rounded to `price_bits` significa
 bits (0: exact).
 
 Not modelled: speculative decoding, KV connectors, multimodal encoders, pipeline
-parallelism, the watermark (0 by default), `long_prefill_token_threshold`, prefix
-hits on layouts with sliding-window or state groups, and the time the scheduler itself
-takes. Decodes are scheduled before running chunked prefills (vLLM takes running
-requests in order; the two differ only when the budget runs out between them).
+parallelism, the watermark (0 by default), prefix hits on layouts with sliding-window
+or state groups, and the time the scheduler itself takes. Decodes are scheduled before
+running chunked prefills (vLLM takes running requests in order; the two differ only when
+the budget runs out between them).
 """
 
 from __future__ import annotations
@@ -89,11 +91,18 @@ class EngineConfig:
     host_shares_device: bool = False
     price_bits: int = 6  # significant bits of memoised step prices (0: exact)
     kv_samples: int = 400  # most (time, blocks) points kept
+    # vLLM's --long-prefill-token-threshold: while more than one request is running or
+    # waiting when a step is scheduled, no request gets more prompt tokens in it than
+    # this (0: no cap).
+    long_prefill_token_threshold: int = 0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1 or self.usable_blocks < 1:
             raise ModelError("the simulated engine needs max_num_seqs, "
                              "max_num_batched_tokens and KV blocks >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ModelError("long_prefill_token_threshold must be 0 or more, got "
+                             f"{self.long_prefill_token_threshold}")
         if self.policy not in ("fcfs", "priority"):
             raise ModelError(f"scheduling policy must be fcfs or priority, got {self.policy!r}")
 
@@ -109,7 +118,8 @@ class EngineConfig:
                             capacity.usable_blocks, policy, prefix_caching,
                             served.deployment.schedules_async if async_scheduling is None
                             else async_scheduling,
-                            served.deployment.host_shares_device, price_bits)
+                            served.deployment.host_shares_device, price_bits,
+                            long_prefill_token_threshold=served.long_prefill_cap)
 
 
 @dataclass(frozen=True)
@@ -475,13 +485,14 @@ class Engine:
         self._grow_decoders(tick)
         n_dec = min(self.n_dec, budget)
         budget -= n_dec
+        cap = self._prefill_cap(len(finished))
         chunks: list[tuple[_Req, int, int]] = []
         for req in list(self.prefilling.values()):
             if budget <= 0:
                 break
             if not req.running:
                 continue
-            size = min(req.num_tokens - req.computed, budget)
+            size = min(req.num_tokens - req.computed, budget, cap)
             in_flight = req.last_step == self.steps - 1 and self.async_scheduling
             settled = req.computed - (req.last_chunk if in_flight else 0)
             delta = self._held(req.computed, size, settled) - req.shared * self.prefix_units \
@@ -494,7 +505,7 @@ class Engine:
             chunks.append((req, size, req.computed))
             budget -= size
         if not self.preempted_in_step:
-            budget = self._admit_waiting(budget, chunks, len(finished))
+            budget = self._admit_waiting(budget, chunks, len(finished), cap)
         for req in finished:
             self._release(req)
         if not chunks and n_dec == 0:
@@ -758,8 +769,20 @@ class Engine:
         else:
             self.fcfs.popleft()
 
+    def _prefill_cap(self, finishing: int) -> int:
+        """The most prompt tokens one request gets in the step being scheduled: vLLM's
+        long_prefill_token_threshold while more than one request is running or waiting
+        (a request alone gets the whole budget), else no cap beyond the budget. The
+        `finishing` requests, whose last output vLLM has not processed yet, still count
+        as running."""
+        cap = self.config.long_prefill_token_threshold
+        if cap <= 0:
+            return self.budget
+        waiting = len(self.prio) if self.config.policy == "priority" else len(self.fcfs)
+        return cap if len(self.running) + finishing + waiting > 1 else self.budget
+
     def _admit_waiting(self, budget: int, chunks: list[tuple[_Req, int, int]],
-                       finishing: int) -> int:
+                       finishing: int, cap: int) -> int:
         pg = self.prefix_units
         while budget > 0 and len(self.running) + finishing < self.config.max_num_seqs:
             req = self._peek_waiting()
@@ -790,7 +813,7 @@ class Engine:
             if full - hit_blocks * pg + joining > free:
                 break  # vLLM's check that the whole prompt fits
             hit = (hit_blocks + own_hit) * self.prefix_block if own_hit else hit
-            size = min(req.num_tokens - hit, budget)
+            size = min(req.num_tokens - hit, budget, cap)
             own = self._held(hit, size, hit) - hit_blocks * pg
             if own + joining > free:
                 break  # and that this step's chunk does (a window's prefill peak)

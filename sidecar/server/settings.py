@@ -98,8 +98,9 @@ class ServeSettings(BaseModel):
         0, ge=0, description="the server's --long-prefill-token-threshold: with a threshold a "
         "request behind another with the same new prompt, and each fork of a request with n "
         "above 1, is sure to share only the first chunk of that many tokens (it computes its "
-        "own copy of the rest); 0: no threshold (vLLM's default). The server does not report "
-        "it: give its value")
+        "own copy of the rest), and a prompt beside running requests is prefilled in chunks "
+        "of at most that many (its predicted TTFT); 0: no threshold (vLLM's default). The "
+        "server does not report it: give its value")
     metrics_interval_s: float = Field(1.0, gt=0, le=60,
                                       description="how often to scrape the server's /metrics")
     metrics_stale_s: float = Field(10.0, gt=0, description="age after which server metrics "

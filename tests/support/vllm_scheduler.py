@@ -24,7 +24,8 @@ What stands in for the rest of the engine:
 Each case: {"model_dir", "block_size", "max_num_batched_tokens", "max_num_seqs",
 "max_model_len", "num_blocks", "groups": [{"kind": "full"|"sliding", "window"}],
 "requests": [[prompt_tokens, output_tokens], ...] (all sent at once, in that order),
-"async_scheduling" (optional, default true)}.
+"async_scheduling" (optional, default true), "long_prefill_token_threshold" (optional,
+default 0)}.
 Each answer: {"steps": steps that scheduled tokens, "preemptions": per request,
 "finished": count, "max_running": most requests running at once}.
 """
@@ -71,7 +72,8 @@ def run(case: dict[str, Any]) -> dict[str, Any]:
                       max_num_batched_tokens=case["max_num_batched_tokens"],
                       max_num_seqs=case["max_num_seqs"], block_size=block,
                       num_gpu_blocks_override=case["num_blocks"],
-                      enable_prefix_caching=True, enable_chunked_prefill=True)
+                      enable_prefix_caching=True, enable_chunked_prefill=True,
+                      long_prefill_token_threshold=case.get("long_prefill_token_threshold", 0))
     config = args.create_engine_config()
     asynchronous = bool(case.get("async_scheduling", True))
     config.scheduler_config.async_scheduling = asynchronous
