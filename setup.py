@@ -41,6 +41,7 @@ COMPILED = [
     "sidecar/admission/wait_ratio.py",
     "sidecar/metrics.py",
     "sidecar/model/latency.py",
+    "sidecar/model/prefill_queue.py",
     "sidecar/server/access_log.py",
     "sidecar/server/client_headers.py",
     "sidecar/server/errors.py",

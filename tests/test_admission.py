@@ -30,6 +30,7 @@ from sidecar.admission.queue import Entry
 from sidecar.admission.room import KVRoom, QueueWalk, RunningHoldings
 from sidecar.admission.wait_ratio import MIN_SAMPLES
 from sidecar.model import ServedModel
+from sidecar.model.prefill_queue import prefill_behind
 
 from support.admission_fixtures import (
     TINY_LLAMA,
@@ -384,10 +385,10 @@ def test_a_prompt_ahead_never_makes_a_first_token_sooner() -> None:
     model = CostModel(tiny_served(256))
     for running, ahead in itertools.product((0, 1, 4, 16), (1, 16, 200, 1000, 4000)):
         alone = model.cost(200, 12, running=running, mean_context=600)
-        behind = model.cost(200, 12, running=running, mean_context=600, ahead_tokens=ahead)
+        behind = model.cost(200, 12, running=running, mean_context=600, ahead=(ahead,))
         assert behind.prefill_model_s >= alone.prefill_model_s
     # A long prompt ahead costs its prefill, not the steps in flight on top of it.
-    behind = model.cost(200, 12, running=4, mean_context=600, ahead_tokens=4000)
+    behind = model.cost(200, 12, running=4, mean_context=600, ahead=(4000,))
     assert behind.prefill_model_s == pytest.approx(model.prefill_s(4200, 4, 600))
 
 
@@ -413,10 +414,10 @@ def test_a_request_admitted_beside_running_ones_waits_for_their_steps_first() ->
     assert alone.prefill_model_s == pytest.approx(busy.prefill_s(400))
     # With prompts ahead of it, the steps it waits for are theirs: no wait on top,
     # and never sooner than its own prefill after the steps in flight.
-    behind = busy.cost(400, 8, running=6, mean_context=600, ahead_tokens=300)
+    behind = busy.cost(400, 8, running=6, mean_context=600, ahead=(300,))
     assert behind.prefill_model_s == pytest.approx(
         max(busy.prefill_s(700, 6, 600), with_async.prefill_model_s))
-    long_behind = busy.cost(400, 8, running=6, mean_context=600, ahead_tokens=3000)
+    long_behind = busy.cost(400, 8, running=6, mean_context=600, ahead=(3000,))
     assert long_behind.prefill_model_s == pytest.approx(busy.prefill_s(3400, 6, 600))
     assert long_behind.prefill_model_s > with_async.prefill_model_s
     # The fairness charge is its own work: not the wait, nor the prompts ahead of it.
@@ -461,14 +462,41 @@ def test_a_prefill_beside_running_requests_is_priced_in_chunks_of_the_long_prefi
     assert all(b >= a for a, b in itertools.pairwise(prices))
     assert capped.prefill_s(100, 3, 600) == pytest.approx(plain.prefill_s(100, 3, 600),
                                                           rel=1e-12)
-    # Prompts ahead share the steps' budget with it: the threshold caps each prompt, not
-    # their sum. Behind two of 640 tokens, its own five chunks of 128 take longest.
+    # Prompts ahead advance beside it, each in chunks of at most the threshold, within
+    # the steps' budget (`prefill_behind`). A short prompt behind a long one gets its
+    # chunk at once: its time to first token is its own, where without a threshold it
+    # comes after the long one.
+    short = capped.cost(100, 8, running=3, mean_context=600, ahead=(5000,))
+    alone = capped.cost(100, 8, running=3, mean_context=600)
+    assert short.model_inputs is not None
+    assert (short.model_inputs.ahead_steps, short.model_inputs.ahead_tokens) == (1, 128)
+    assert short.prefill_model_s == pytest.approx(alone.prefill_model_s, rel=1e-12)
+    assert plain.cost(100, 8, running=3, mean_context=600,
+                      ahead=(5000,)).prefill_model_s > short.prefill_model_s
+    # Behind twenty prompts of 640 (16 chunks of 128 fill the budget), its own chunks
+    # wait for room: the steps and tokens of the walk, priced together.
     own = capped.cost(640, 8, running=3, mean_context=600)
-    behind = capped.cost(640, 8, running=3, mean_context=600, ahead_tokens=1280)
-    together = capped.prefill_s(1920, 3, 600, capped=False)
-    assert together == pytest.approx(plain.prefill_s(1920, 3, 600), rel=1e-12)
-    assert behind.prefill_model_s == pytest.approx(max(own.prefill_model_s, together))
-    assert behind.prefill_model_s < capped.prefill_s(1920, 3, 600)
+    burst = capped.cost(640, 8, running=3, mean_context=600, ahead=(640,) * 20)
+    walk = prefill_behind((640,) * 20, 640, 2048 - 3, 128)
+    assert burst.model_inputs is not None
+    assert (burst.model_inputs.ahead_steps, burst.model_inputs.ahead_tokens) == (
+        walk.steps, walk.tokens - 640)
+    assert walk.steps > 5  # not its own five chunks of 128
+    assert burst.prefill_model_s == pytest.approx(max(
+        own.prefill_model_s, capped.prefill_in_steps_s(walk.tokens, walk.steps, 3, 600)))
+    assert burst.prefill_model_s > own.prefill_model_s
+    # Re-priced from its inputs (as calibration does when the fit moves): the same.
+    assert capped.model_s("ttft", burst.model_inputs) == pytest.approx(burst.prefill_model_s)
+    # Its work (the fairness charge) is its tokens at the whole budget, as without one.
+    assert own.prefill_work_s == pytest.approx(
+        plain.cost(640, 8, running=3, mean_context=600).prefill_work_s, rel=1e-12)
+    # With n = 4 its forks are requests of their own, eligible together: capped on an
+    # idle server too. Alone it gets the whole budget.
+    assert capped.prefill_s(640, capped=True) > capped.prefill_s(640)
+    assert capped.cost(640, 8, 4).prefill_model_s == pytest.approx(
+        capped.prefill_s(640, capped=True), rel=1e-12)
+    assert capped.cost(640, 8).prefill_model_s == pytest.approx(capped.prefill_s(640),
+                                                                rel=1e-12)
 
 
 def test_prompts_admitted_before_and_not_yet_prefilled_are_ahead_in_the_ttft() -> None:
@@ -506,13 +534,13 @@ def test_prompts_admitted_before_and_not_yet_prefilled_are_ahead_in_the_ttft() -
         running = ctl._running  # type: ignore[attr-defined]
         still = [400 * (1 - elapsed / c.prefill_s) for c in (third,)] + [
             400 * (1 - passed / later.cost.prefill_s)]  # type: ignore[attr-defined]
-        assert running.prefill_ahead_tokens(clock.now) == pytest.approx(sum(still), abs=1)
+        assert running.prefill_ahead(clock.now) == pytest.approx(still, abs=1)
         clock.now += 0.25 * (third.prefill_s - elapsed)
         elapsed_later = elapsed + 0.25 * (third.prefill_s - elapsed)
         still = [400 * (1 - elapsed_later / third.prefill_s),
                  400 * (1 - (elapsed_later - first.prefill_s / 2) / later.cost.prefill_s)]  # type: ignore[attr-defined]
-        assert running.prefill_ahead_tokens(clock.now) == pytest.approx(
-            sum(max(0.0, s) for s in still), abs=1)
+        assert running.prefill_ahead(clock.now) == pytest.approx(
+            [s for s in still if s > 0], abs=1)
         # A request that waits in kvgate's queue is priced as it starts: what was ahead
         # of it at its arrival has been prefilled meanwhile.
         small = controller(num_blocks=41, clock=clock)
@@ -1365,6 +1393,39 @@ def test_forks_that_do_not_share_hold_their_blocks_through_every_fork_s_prefill(
         ticket.finish(10)
 
     asyncio.run(admitted())
+
+
+def test_with_a_long_prefill_threshold_a_long_prompt_holds_its_blocks_through_its_chunks(
+) -> None:
+    """vLLM prefills a prompt in chunks of at most its long-prefill threshold while others
+    run: a long prompt decodes, and frees its blocks, that many steps later. The prompts
+    ahead of it share the budget with it: their steps at the whole budget and its own
+    chunks are not added up."""
+    base = tiny_served(num_blocks=4096)
+    capped = ServedModel(base.arch, replace(base.deployment, long_prefill_token_threshold=64),
+                         base.gpu)
+    request = AdmissionRequest(prompt_tokens=640, max_tokens=10)
+    for served, chunks in ((base, 1), (capped, 10)):
+        model = CostModel(served)
+        room = KVRoom(Ledger(4096), model)
+        cost = model.cost(640, 10)
+        assert room.newcomer(request, cost, PrefixPlan.none()).end_steps == chunks + 10 + 1
+        for ahead in (3, 12):
+            assert room.newcomer(request, cost, PrefixPlan.none(), ahead).end_steps == (
+                max(ahead + 1, chunks) + 10 + 1)
+        # Admitted, not prefilled yet: its own holding ends after its chunks; the
+        # request after it waits for its steps at the whole budget.
+        ctl = AdmissionController(model, AdmissionSettings(), clock=FakeClock())
+        ctl.update_server(ServerState(available=True))
+
+        async def admitted(ctl: AdmissionController = ctl, chunks: int = chunks) -> None:
+            ticket = await admit(ctl, prompt_tokens=640, max_tokens=10)
+            running = ctl.room.running([ticket], lambda _t, _now: 0, ctl.clock())
+            assert running.prefill_steps == 1
+            assert running.holdings[0].end_steps == chunks + 10 + 1
+            ticket.finish(10)
+
+        asyncio.run(admitted())
 
 
 def test_a_forked_reservation_keeps_its_sharing_when_prefix_caching_flips() -> None:

@@ -156,6 +156,83 @@ def test_prefills_behind_prompts_ahead_are_learned_without_the_wait() -> None:
     assert fits[True] < 0.95  # the wait it did not have, taken out of its prefill
 
 
+def test_prompts_ahead_are_learned_as_priced_under_a_long_prefill_threshold() -> None:
+    """With the server's long-prefill threshold (64 tokens here), `CostModel` prices a
+    request behind prompts ahead as their tokens and its own together at the whole
+    budget (the threshold caps each prompt, not their sum): the observation says so
+    (`capped=False`) and is fitted so. Read as one prompt in chunks of 64, the same times
+    read as a far faster server."""
+    truth = on(CPU, TRUTH).with_deployment(long_prefill_token_threshold=64)
+    served = on(PRIORS["generic"]).with_deployment(long_prefill_token_threshold=64)
+    fits = {}
+    for told in (False, None):
+        rng = random.Random(5)
+        calibrator = Calibrator()
+        for _ in range(150):
+            prompt, running, context = request(rng)
+            running = max(1, running)
+            together = 2 * prompt  # a prompt as long as its own ahead of it
+            ttft = truth.prefill(together, (context,) * running, capped=False)
+            tpot = truth.tpot((context,) * (running + 1))
+            assert ttft is not None and tpot is not None
+            calibrator.observe_prefill(served, together, running, context,
+                                       ttft.seconds * rng.lognormvariate(0, 0.03),
+                                       waited=False, capped=told)
+            calibrator.observe_decode(served, running + 1, context,
+                                      tpot.seconds * rng.lognormvariate(0, 0.03))
+        fitted = served.with_efficiency(calibrator.efficiency(served))
+        rng = random.Random(6)
+        errors = []
+        for _ in range(100):
+            prompt, running, context = request(rng)
+            running = max(1, running)
+            true, predicted = (m.prefill(prompt, (context,) * running) for m in (truth, fitted))
+            assert true is not None and predicted is not None
+            errors.append(predicted.seconds / true.seconds)
+        fits[told] = statistics.median(errors)
+    assert fits[False] == pytest.approx(1.0, abs=0.05)
+    assert fits[None] < 0.8
+
+
+def test_prompts_side_by_side_under_a_long_prefill_threshold_are_learned_over_their_steps(
+) -> None:
+    """Behind prompts ahead under the threshold, `CostModel` prices their chunks and its
+    own over the steps until its last (`ModelInputs.ahead_steps`): observations told
+    those steps fit the server; the same times read as the tokens at the whole budget
+    (one step here) read as a slower one."""
+    truth = on(CPU, TRUTH).with_deployment(long_prefill_token_threshold=64)
+    served = on(PRIORS["generic"]).with_deployment(long_prefill_token_threshold=64)
+    fits = {}
+    for told in (True, False):
+        rng = random.Random(5)
+        calibrator = Calibrator()
+        for _ in range(150):
+            prompt, running, context = request(rng)
+            running = max(1, running)
+            steps = -(-prompt // 64)  # its own chunks, a prompt as long beside it
+            ttft = truth.prefill_in_steps(2 * prompt, steps, (context,) * running)
+            tpot = truth.tpot((context,) * (running + 1))
+            assert ttft is not None and tpot is not None
+            calibrator.observe_prefill(served, 2 * prompt, running, context,
+                                       ttft.seconds * rng.lognormvariate(0, 0.03),
+                                       waited=False, capped=False,
+                                       in_steps=steps if told else 0)
+            calibrator.observe_decode(served, running + 1, context,
+                                      tpot.seconds * rng.lognormvariate(0, 0.03))
+        fitted = served.with_efficiency(calibrator.efficiency(served))
+        rng = random.Random(6)
+        errors = []
+        for _ in range(100):
+            prompt, running, context = request(rng)
+            running = max(1, running)
+            true, predicted = (m.prefill(prompt, (context,) * running) for m in (truth, fitted))
+            assert true is not None and predicted is not None
+            errors.append(predicted.seconds / true.seconds)
+        fits[told] = statistics.median(errors)
+    assert fits[True] == pytest.approx(1.0, abs=0.05)
+    assert fits[False] > 1.25
+
+
 def test_the_same_result_whatever_the_order_of_the_requests() -> None:
     truth, served = on(CPU, TRUTH), on(PRIORS["generic"])
     results = []

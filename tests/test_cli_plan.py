@@ -253,6 +253,11 @@ def test_printed_arguments_name_a_local_model_by_its_directory_and_a_preset_by_i
          "(8192, vLLM's default for the GPU) must be at least --max-num-seqs (10000)"),
         (["--model", "Qwen/Qwen3-8B", "--kv-cache-dtype", "fp8_ds_mla"],
          "Qwen/Qwen3-8B has no sparse MLA layers: use fp8"),
+        (["--model", "Qwen/Qwen3-8B", "--max-model-len", "4096",
+          "--long-prefill-token-threshold", "5000"],
+         "--long-prefill-token-threshold 5000 is above --max-model-len 4096: vLLM refuses it"),
+        (["--model", "Qwen/Qwen3-8B", "--long-prefill-token-threshold", "-1"],
+         "--long-prefill-token-threshold"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str) -> None:

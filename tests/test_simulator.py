@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import random
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from sidecar.model import Deployment, ServedModel, custom_gpu, parse_config
 from sidecar.model.errors import ModelError
 from sidecar.model.latency import Prefill
 from sidecar.model.planning import ChainCall, chain, steady_latency
+from sidecar.model.prefill_queue import prefill_behind
 from sidecar.model.simulator import (
     ClosedLoop,
     EngineConfig,
@@ -109,6 +111,26 @@ def test_a_long_prefill_threshold_caps_a_prompt_only_beside_other_requests() -> 
         assert alone.steps == 2
     with pytest.raises(ModelError, match="long_prefill_token_threshold must be 0 or more"):
         replace(EngineConfig.of(served()), long_prefill_token_threshold=-1)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_a_prefill_behind_others_ends_where_the_scheduling_loop_ends_it(seed: int) -> None:
+    """`prefill_behind`, the closed form admission prices a prompt behind others with
+    under a long-prefill threshold, against the simulator's scheduling loop (itself
+    checked step for step against vLLM's): prompts sent at once, one output token each
+    (no decodes), the last one's first token at the end of the same step."""
+    rng = random.Random(seed)
+    cap, chunk = rng.choice((16, 64, 200, 256, 512)), rng.choice((512, 1024, 2048))
+    ahead = [rng.randint(1, 3000) for _ in range(rng.randint(0, 12))]
+    own = rng.randint(1, 3000)
+    model = served(blocks=8192, chunk=chunk, long_prefill=cap)
+    result = run(model, [SimRequest(0.0, p, 1) for p in [*ahead, own]],
+                 async_scheduling=False, kv_samples=10**6)
+    ends = [t for t, _ in result.kv_samples]
+    behind = prefill_behind(ahead, own, chunk, cap, others=False)
+    assert result.records[-1].ttft_s == pytest.approx(
+        ends[behind.steps - 1] + model.efficiency.per_request_s, rel=1e-12)
+    assert behind.tokens <= sum(ahead) + own
 
 
 def test_the_predicted_prefill_follows_the_long_prefill_threshold() -> None:

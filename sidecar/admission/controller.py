@@ -418,7 +418,7 @@ class AdmissionController:
             request.prompt_tokens, output_tokens, request.sequences, running,
             self._mean_context(), self.prefill_load.slowdown(now, running),
             shared_blocks=shared, cached_tokens=plan.cached_tokens,
-            ahead_tokens=self._running.prefill_ahead_tokens(now), forks_share=request.forks_share,
+            ahead=self._running.prefill_ahead(now), forks_share=request.forks_share,
         )
 
     def _never_fits(self, request: AdmissionRequest, cost: RequestCost) -> Decision | None:

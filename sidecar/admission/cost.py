@@ -10,6 +10,7 @@ microseconds (the queue ahead of it is priced apart: `room`).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal, NamedTuple
@@ -17,6 +18,7 @@ from typing import Literal, NamedTuple
 from sidecar.admission.quick_init import quick_init
 from sidecar.model import ServedModel
 from sidecar.model.latency import LOAD_BUCKETS, PRIOR_P90_RATIO, load_bucket
+from sidecar.model.prefill_queue import prefill_behind
 
 DeadlineQuantile = Literal["p50", "p90"]
 
@@ -28,6 +30,13 @@ _CONTEXT_BUCKET = 256
 
 def _each(value: float) -> tuple[float, ...]:
     return (value,) * LOAD_BUCKETS
+
+
+def own_prefill_capped(sequences: int) -> bool | None:
+    """Whether vLLM's long-prefill threshold caps a request's own prefill: always with
+    `n` above 1 (its forks are requests of their own, eligible together), else where
+    others run (None: `ServedModel.prefill_chunk_tokens` decides)."""
+    return True if sequences > 1 else None
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,10 @@ class ModelInputs(NamedTuple):
     context_tokens: int  # the decode's mean context
     slowdown: float  # the others' prefill load at admission (see `load.PrefillLoad`)
     ahead_tokens: int = 0  # admitted prompts' tokens the server prefills before this one
+    # With the server's long-prefill threshold: the steps until its prefill ends, its
+    # own chunks beside the prompts ahead (`model.prefill_queue`), which schedule
+    # `ahead_tokens` in them; 0: all of theirs first, at the whole budget.
+    ahead_steps: int = 0
 
 
 @quick_init
@@ -122,6 +135,7 @@ class CostModel:
         self._blocks = lru_cache(maxsize=65_536)(served.blocks_for_request)
         self.lifecycle = served.lifecycle
         self._prefill = lru_cache(maxsize=16_384)(self._prefill_uncached)
+        self._prefill_in_steps = lru_cache(maxsize=16_384)(self._prefill_in_steps_uncached)
         self._chunk_tokens = lru_cache(maxsize=1_024)(served.prefill_chunk_tokens)
         self._tpot = lru_cache(maxsize=16_384)(self._tpot_uncached)
         self._pickup = lru_cache(maxsize=16_384)(self._pickup_uncached)
@@ -222,23 +236,31 @@ class CostModel:
         *,
         shared_blocks: int = 0,
         cached_tokens: int = 0,
-        ahead_tokens: int = 0,
+        ahead: Sequence[int] = (),
         forks_share: bool = False,
     ) -> RequestCost:
         """`slowdown` (>= 1) stretches the times for the prefill work of others
         sharing the engine (see `load.PrefillLoad`). `shared_blocks` of the peak are
         held already by admitted requests with the same prefix; `cached_tokens` of
-        the prompt are prefix-cache hits the server does not prefill again;
-        `ahead_tokens` are admitted prompts' tokens the server prefills first (its
-        time to first token covers them, its own prefill work does not); `forks_share`:
-        see `fork_shared_blocks`."""
+        the prompt are prefix-cache hits the server does not prefill again; `ahead`
+        are the tokens admitted prompts still have to prefill, in the order the server
+        took them (its time to first token covers them, its own prefill work does
+        not); `forks_share`: see `fork_shared_blocks`."""
         total = prompt_tokens + output_tokens
         cached = max(0, min(cached_tokens, prompt_tokens - 1))
+        ahead_tokens, ahead_steps = self._ahead(ahead, prompt_tokens - cached, running,
+                                                sequences)
         inputs = ModelInputs(prompt_tokens - cached, cached, running, mean_context,
                              running + sequences, mean_context or total, slowdown,
-                             max(0, ahead_tokens))
-        own_prefill = self.prefill_s(prompt_tokens - cached, running, mean_context, cached)
+                             ahead_tokens, ahead_steps)
+        capped = own_prefill_capped(sequences)
+        own_prefill = self.prefill_s(prompt_tokens - cached, running, mean_context, cached,
+                                     capped)
         prefill, tpot = self._model_s(inputs, own_prefill)
+        # Its work, as engine time: its tokens at the whole budget (a long-prefill
+        # threshold spreads them over more steps, which other requests share).
+        own_work = own_prefill if not self._prefill_chunk_tokens else self.prefill_s(
+            prompt_tokens - cached, running, mean_context, cached, capped=False)
         peak, worst_peak, server_prefill = self._shape(prompt_tokens, output_tokens, sequences,
                                                        cached, forks_share)
         shared = min(shared_blocks, peak)
@@ -254,7 +276,7 @@ class CostModel:
             worst_case_blocks=worst_peak - shared,
             prefill_flops=self._flops_per_token * (prompt_tokens - cached),
             prefill_s=prefill_p50,
-            prefill_work_s=self._engine_work_s(own_prefill),
+            prefill_work_s=self._engine_work_s(own_work),
             tpot_s=tpot_model * spread.tpot_p50[bucket],
             shared_blocks=shared,
             cached_tokens=cached,
@@ -285,23 +307,56 @@ class CostModel:
         running requests' steps and the prefill) or TPOT ("tpot") of a request priced
         from `inputs`, the others' load included."""
         prefill, tpot = self._model_s(inputs, self.prefill_s(
-            inputs.prefilled_tokens, inputs.running, inputs.mean_context, inputs.cached_tokens))
+            inputs.prefilled_tokens, inputs.running, inputs.mean_context, inputs.cached_tokens,
+            own_prefill_capped(inputs.batch - inputs.running)))
         return (prefill if quantity == "ttft" else tpot) * inputs.slowdown
+
+    def _ahead(self, ahead: Sequence[int], own: int, running: int,
+               sequences: int) -> tuple[int, int]:
+        """The prompts ahead's tokens the server schedules before this request's first
+        token, and (with a long-prefill threshold) the steps until then: `ModelInputs`'
+        `ahead_tokens` and `ahead_steps`. Without a threshold, all of theirs first."""
+        tokens = sum(max(0, a) for a in ahead)
+        cap = self._prefill_chunk_tokens
+        if not tokens or not cap:
+            return tokens, 0
+        budget = self._chunk_tokens(running, False)
+        behind = prefill_behind(ahead, own, budget, cap, others=running > 0 or sequences > 1)
+        return behind.tokens - own, behind.steps
 
     def _model_s(self, inputs: ModelInputs, own_prefill_s: float) -> tuple[float, float]:
         """The TTFT from the server's taking the request in (the running requests' steps
         it waits for, the prompts ahead, its own prefill) and the TPOT. With prompts
         ahead, the steps it waits for are theirs, in their prefill already: the TTFT is
-        the longer of that prefill with theirs (together, sharing the step's budget: a
-        long-prefill threshold caps each prompt, not their sum) and its own after the
-        steps in flight (a prompt ahead never makes a request's first token sooner).
+        the longer of that prefill with theirs and its own after the steps in flight (a
+        prompt ahead never makes a request's first token sooner). Theirs: all of their
+        tokens, then its own, at the whole budget; with a long-prefill threshold, their
+        chunks and its own side by side until its last (`ahead_steps`).
         `own_prefill_s`: `prefill_s` of its own inputs."""
         own_s = self.pickup_s(inputs.running, inputs.mean_context) + own_prefill_s
         if inputs.ahead_tokens:
-            own_s = max(own_s, self.prefill_s(inputs.prefilled_tokens + inputs.ahead_tokens,
-                                              inputs.running, inputs.mean_context,
-                                              inputs.cached_tokens, capped=False))
+            together = inputs.prefilled_tokens + inputs.ahead_tokens
+            own_s = max(own_s, self.prefill_in_steps_s(
+                together, inputs.ahead_steps, inputs.running, inputs.mean_context,
+                inputs.cached_tokens) if inputs.ahead_steps else self.prefill_s(
+                together, inputs.running, inputs.mean_context, inputs.cached_tokens,
+                capped=False))
         return own_s, self.tpot_s(inputs.batch, inputs.context_tokens)
+
+    def prefill_in_steps_s(self, prompt_tokens: int, steps: int, running: int = 0,
+                           mean_context: int = 0, cached_tokens: int = 0) -> float:
+        """Several prompts' `prompt_tokens` prefilled over `steps` steps
+        (`ServedModel.prefill_in_steps`), the tokens rounded up to a bucket."""
+        tokens = -(-max(1, prompt_tokens) // _PROMPT_BUCKET) * _PROMPT_BUCKET
+        context = (mean_context // _CONTEXT_BUCKET) * _CONTEXT_BUCKET
+        cached = (cached_tokens // _CONTEXT_BUCKET) * _CONTEXT_BUCKET
+        return self._prefill_in_steps(tokens, max(1, steps), running, context, cached)
+
+    def _prefill_in_steps_uncached(self, tokens: int, steps: int, running: int, context: int,
+                                   cached: int) -> float:
+        phase = self.served.prefill_in_steps(tokens, steps, (max(1, context),) * running,
+                                             cached)
+        return 0.0 if phase is None else phase.seconds
 
     def largest_output_that_fits(self, prompt_tokens: int, sequences: int, blocks: int, *,
                                  forks_share: bool = False) -> int:
@@ -330,16 +385,17 @@ class CostModel:
         return max(0.0, prefill_s - self.served.efficiency.per_request_s)
 
     def prefill_s(self, prompt_tokens: int, running: int = 0, mean_context: int = 0,
-                  cached_tokens: int = 0, capped: bool = True) -> float:
-        """Prefill of `prompt_tokens` new tokens after `cached_tokens` of prefix hits
-        (`capped` False: several prompts' tokens, which vLLM's long-prefill threshold
-        caps one by one, not together).
+                  cached_tokens: int = 0, capped: bool | None = None) -> float:
+        """Prefill of `prompt_tokens` new tokens after `cached_tokens` of prefix hits, in
+        chunks of at most the server's long-prefill threshold where others are eligible
+        (`capped`: `ServedModel.prefill_chunk_tokens`).
 
         Priced at the bucket boundaries either side and interpolated between them (exact
-        below the first): the fixed costs (per request, per step) stay whole at any
-        length, where scaling one bucket's price by the share of it used would cut them
-        too. Both ends take as many steps as the prompt (a bucket that a chunk boundary
-        cuts is priced on the prompt's side of it), so each step's costs stay whole too."""
+        below the first bucket and the first chunk): the fixed costs (per request, per
+        step) stay whole at any length, where scaling one bucket's price by the share of
+        it used would cut them too. Both ends take as many steps as the prompt (a bucket
+        that a chunk boundary cuts is priced on the prompt's side of it), so each step's
+        costs stay whole too."""
         context = (mean_context // _CONTEXT_BUCKET) * _CONTEXT_BUCKET
         cached = (cached_tokens // _CONTEXT_BUCKET) * _CONTEXT_BUCKET
         prompt = max(1, prompt_tokens)
@@ -368,7 +424,7 @@ class CostModel:
         return self._tpot(max(1, batch), context)
 
     def _prefill_uncached(self, prompt: int, running: int, context: int, cached: int,
-                          capped: bool) -> float:
+                          capped: bool | None) -> float:
         phase = self.served.prefill(prompt, (max(1, context),) * running, cached, capped)
         return 0.0 if phase is None else phase.seconds
 

@@ -79,6 +79,8 @@ class KVRoom:
         self.cost_model = cost_model
         # Whether a request's blocks can fall as it advances (sliding windows).
         self._recycles = cost_model.lifecycle.layout.recycles_blocks
+        # The server's --long-prefill-token-threshold (0: none): see `prefill_end`.
+        self._long_prefill_cap = cost_model.served.long_prefill_cap
         # Server-reported use that the running requests do not explain (last scrape).
         self.untracked_blocks = 0
         self._version = 0
@@ -92,6 +94,7 @@ class KVRoom:
     def set_cost_model(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model
         self._recycles = cost_model.lifecycle.layout.recycles_blocks
+        self._long_prefill_cap = cost_model.served.long_prefill_cap
 
     def admitted(self, ticket: Ticket) -> None:
         """`ticket` runs now; its reservation (already in the ledger) holds its prompt
@@ -166,6 +169,19 @@ class KVRoom:
         it does not find cached: `RequestCost.server_prefill_tokens`), in chunks."""
         return self.cost_model.lifecycle.prefill_step_count(max(1, prefill_tokens))
 
+    def prefill_end(self, before_steps: int, prefill_tokens: int, prompt_tokens: int) -> int:
+        """Steps until a request whose forks prefill `prefill_tokens` (each at most
+        `prompt_tokens`) is prefilled, behind prefills of `before_steps` steps at the
+        whole budget: those and its own; with the server's long-prefill threshold, no
+        fewer than its longest prompt takes in chunks of the threshold (it caps each
+        prompt, and the prompts share the budget)."""
+        steps = before_steps + self.prefill_steps(prefill_tokens)
+        cap = self._long_prefill_cap
+        if cap:
+            longest = max(1, min(prefill_tokens, prompt_tokens))
+            steps = max(steps, -(-longest // cap))
+        return steps
+
     def holding(self, ticket: Ticket, progress: int, exclusive_keys: int,
                 prefill_steps: int) -> Holding:
         """What `ticket` holds over the steps ahead: its server-side progress estimated
@@ -213,10 +229,13 @@ class KVRoom:
         holdings = []
         prefills = 0
         for ticket in tickets:  # in the order they were admitted
+            own = prefills
             if ticket.first_token_s is None:
-                prefills += self.prefill_steps(ticket.cost.server_prefill_tokens)
+                tokens = ticket.cost.server_prefill_tokens
+                own = self.prefill_end(prefills, tokens, ticket.request.prompt_tokens)
+                prefills += self.prefill_steps(tokens)
             holdings.append(self.holding(ticket, progress(ticket, now),
-                                         exclusive.get(ticket.key, 0), prefills))
+                                         exclusive.get(ticket.key, 0), own))
         shared_keys = self.ledger.shared_keys - sum(exclusive.get(t.key, 0) for t in tickets)
         base = max(0, shared_keys) * self.ledger.blocks_per_key + self.untracked_blocks
         duration = (sum(t.cost.prefill_s + t.cost.decode_s for t in tickets) / len(tickets)
@@ -267,9 +286,9 @@ class KVRoom:
         brought = (len(plan.keys) - plan.shared) * per_key
         offset, per_token = model.lifecycle.growth_bound(request.prompt_tokens)
         # Priced on what it finds cached now (a queued request: nothing).
-        steps = prefill_steps + self.prefill_steps(model.server_prefill_tokens(
+        steps = self.prefill_end(prefill_steps, model.server_prefill_tokens(
             request.prompt_tokens, sequences, plan.cached_tokens,
-            forks_share=request.forks_share))
+            forks_share=request.forks_share), request.prompt_tokens)
         return Holding(
             start_blocks=own_prefill + sequences * offset + brought,
             blocks_per_step=sequences * per_token,

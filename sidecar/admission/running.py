@@ -157,27 +157,28 @@ class RunningSet:
         counted)."""
         self._prefilling.pop(ticket.key, None)
 
-    def prefill_ahead_tokens(self, now: float) -> int:
+    def prefill_ahead(self, now: float) -> tuple[int, ...]:
         """Prompt tokens the server still has to prefill for admitted requests before a
-        new one's (vLLM schedules prefills first come, first served): each one's new
-        tokens (all its forks': `RequestCost.server_prefill_tokens`) times the share of
-        its predicted time to first token still to run.
+        new one's (vLLM schedules prefills first come, first served), in the order they
+        were admitted: each one's new tokens (all its forks':
+        `RequestCost.server_prefill_tokens`) times the share of its predicted time to
+        first token still to run.
         Called with a clock that never goes back: one whose predicted time has passed
         counts for nothing from then on, and is no longer looked at (a decision costs
         the prefills in flight, not every request waiting for its first token)."""
-        ahead = 0.0
+        ahead: list[int] = []
         over: list[int] = []
         for key, ticket in self._prefilling.items():
             cost = ticket.cost
             expected_s = cost.prefill_s
             left = 1.0 if expected_s <= 0 else 1.0 - (now - ticket.admitted_s) / expected_s
             if left > 0:
-                ahead += cost.server_prefill_tokens * min(1.0, left)
+                ahead.append(round(cost.server_prefill_tokens * min(1.0, left)))
             else:
                 over.append(key)
         for key in over:
             del self._prefilling[key]
-        return round(ahead)
+        return tuple(ahead)
 
     def progressed(self, ticket: Ticket, added_tokens: int) -> None:
         """Call before the ticket counts the tokens."""

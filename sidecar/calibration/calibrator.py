@@ -82,7 +82,8 @@ class Calibrator:
         self._fitted = False
         self._served: ServedModel | None = None
         self._ideal: ServedModel | None = None
-        self._features: dict[tuple[str, int, int, int, float], tuple[list[float], float]] = {}
+        self._features: dict[tuple[str, int, int, int, float, bool | None, int],
+                             tuple[list[float], float]] = {}
         self._since_save = 0
         self._own_since_scrape = 0  # the sidecar's own observations since the last scrape
         self._counts = {"decode": 0, "prefill": 0}  # usable observations since the start
@@ -127,13 +128,16 @@ class Calibrator:
                 efficiency.per_sequence_s, efficiency.per_request_s]
 
     def _phase(self, kind: str, tokens: int, batch: int, context: int,
-               wait_steps: float = 0.0) -> tuple[list[float], float] | None:
+               wait_steps: float = 0.0, capped: bool | None = None, in_steps: int = 0,
+               ) -> tuple[list[float], float] | None:
         """The features of one observation, and the all-reduce time to add to them. A
         prefill's `wait_steps` are the running requests' steps it waited for first
-        (`ServedModel.pickup`)."""
+        (`ServedModel.pickup`); `capped`: whether the server's long-prefill threshold
+        caps its chunks (`ServedModel.prefill_chunk_tokens`); `in_steps` (not 0): its
+        tokens are several prompts' over that many steps (`ModelInputs.ahead_steps`)."""
         assert self._ideal is not None
         context = max(1, (context // _CONTEXT_BUCKET) * _CONTEXT_BUCKET)
-        cache_key = (kind, tokens, batch, context, wait_steps)
+        cache_key = (kind, tokens, batch, context, wait_steps, capped, in_steps)
         found = self._features.get(cache_key)
         if found is None:
             served = self._ideal
@@ -144,11 +148,12 @@ class Calibrator:
             else:
                 tokens, batch = max(1, tokens), max(0, batch)
                 running = (context,) * batch
-                prefill = served.prefill(tokens, running)
+                prefill = (served.prefill_in_steps(tokens, in_steps, running) if in_steps
+                           else served.prefill(tokens, running, capped=capped))
                 wait = served.pickup(running, wait_steps)
                 phase = None if prefill is None or wait is None else wait.plus(prefill)
-                chunk = served.prefill_chunk_tokens(batch)
-                steps = float(-(-tokens // chunk))
+                steps = float(min(in_steps, tokens) if in_steps else
+                              -(-tokens // served.prefill_chunk_tokens(batch, capped)))
                 sequences, request = steps * (batch + 1), 1.0
                 if batch:
                     steps += wait_steps
@@ -181,20 +186,24 @@ class Calibrator:
 
     def observe_prefill(self, served: ServedModel, prompt_tokens: int, running: int,
                         context: int, seconds: float, weight: float = 1.0, *,
-                        waited: bool = True) -> None:
+                        waited: bool = True, capped: bool | None = None,
+                        in_steps: int = 0) -> None:
         """One of the sidecar's own requests: its time to first token after admission,
         with `running` others decoding; `waited`: it waited for their steps first
         (`ServedModel.pickup`; not when prompts were ahead of it, whose prefill those
-        steps are)."""
+        steps are); `capped`, `in_steps`: as `CostModel` priced its prefill (the
+        server's long-prefill threshold: `ServedModel.prefill_chunk_tokens`; prompts
+        ahead of it under it: `ModelInputs.ahead_steps`)."""
         self._own_since_scrape += 1
         self._observe(served, "prefill", prompt_tokens, running, context, seconds, weight,
-                      served.pickup_steps if waited else 0.0)
+                      served.pickup_steps if waited else 0.0, capped, in_steps)
 
     def _observe(self, served: ServedModel, kind: str, tokens: int, batch: int, context: int,
-                 seconds: float, weight: float, wait_steps: float = 0.0) -> None:
+                 seconds: float, weight: float, wait_steps: float = 0.0,
+                 capped: bool | None = None, in_steps: int = 0) -> None:
         self._ensure(served)
         assert self._fit is not None
-        found = self._phase(kind, tokens, batch, context, wait_steps)
+        found = self._phase(kind, tokens, batch, context, wait_steps, capped, in_steps)
         if found is None:
             return
         features, others = found

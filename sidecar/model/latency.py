@@ -330,10 +330,11 @@ class Roofline:
 
         With chunked prefill a long prompt runs in chunks of `chunk_tokens` (vLLM's
         max_num_batched_tokens less the decode tokens sharing each step), and of at most
-        `cap_tokens` while others run (its --long-prefill-token-threshold; 0: no cap).
+        `cap_tokens` (its --long-prefill-token-threshold where other requests are
+        eligible; 0: no cap).
         """
         budget = max(1, (chunk_tokens or prompt_tokens) - len(running_contexts))
-        if cap_tokens > 0 and running_contexts:
+        if cap_tokens > 0:
             budget = min(budget, cap_tokens)
         steps: list[StepCost] = []
         done = 0
@@ -342,6 +343,21 @@ class Roofline:
             steps.append(self.step([Prefill(size, cached_tokens + done)], running_contexts))
             done += size
         return PhaseCost.of(steps, self.efficiency.per_request_s)
+
+    def prefill_in_steps(self, prompt_tokens: int, steps: int,
+                         running_contexts: Sequence[int] = (),
+                         cached_tokens: int = 0) -> PhaseCost:
+        """`prompt_tokens` (several prompts' chunks together) prefilled over `steps`
+        steps of as even a size as they divide into, while `running_contexts` decode."""
+        tokens, count = max(prompt_tokens, 1), max(1, min(steps, max(prompt_tokens, 1)))
+        size, extra = divmod(tokens, count)
+        parts: list[StepCost] = []
+        done = 0
+        for index in range(count):
+            chunk = size + (1 if index < extra else 0)
+            parts.append(self.step([Prefill(chunk, cached_tokens + done)], running_contexts))
+            done += chunk
+        return PhaseCost.of(parts, self.efficiency.per_request_s)
 
     def decode(self, contexts: Sequence[int]) -> PhaseCost:
         """One decode step for a batch of sequences with these context lengths."""

@@ -164,6 +164,11 @@ class Deployment:
                 raise DeploymentError(
                     f"--speculative-method mtp: kvgate does not know the MTP layers of "
                     f"{arch.name} ({arch.model_type})")
+        max_model_len = self.max_model_len or arch.context.default
+        if self.long_prefill_token_threshold > max_model_len:
+            raise DeploymentError(
+                f"--long-prefill-token-threshold {self.long_prefill_token_threshold} is above "
+                f"--max-model-len {max_model_len}: vLLM refuses it")
         error = arch.tp_error(self.tp)
         if error is not None:
             raise DeploymentError(error)
@@ -248,14 +253,17 @@ class ServedModel:
         budget). A request alone gets the whole budget."""
         return self.deployment.long_prefill_token_threshold
 
-    def prefill_chunk_tokens(self, running: int, capped: bool = True) -> int:
+    def prefill_chunk_tokens(self, running: int, capped: bool | None = None) -> int:
         """Prompt tokens of one request a step schedules beside `running` decoding
-        requests: the budget they leave, capped by `long_prefill_cap` when there are
-        any (and `capped`: False for several prompts' tokens together, which share the
-        budget)."""
+        requests: the budget they leave, at most `long_prefill_cap` where other requests
+        are eligible (`capped` None: where any run; True: others are, e.g. the request's
+        own forks; False: the tokens of several prompts together, which the threshold
+        caps one by one, not together)."""
         chunk = max(1, self.max_num_batched_tokens - running)
         cap = self.long_prefill_cap
-        return min(chunk, cap) if running and cap and capped else chunk
+        if capped is None:
+            capped = running > 0
+        return min(chunk, cap) if cap and capped else chunk
 
     @property
     def in_flight_tokens(self) -> int:
@@ -452,18 +460,32 @@ class ServedModel:
         prompt_tokens: int,
         running_contexts: tuple[int, ...] = (),
         cached_tokens: int = 0,
-        capped: bool = True,
+        capped: bool | None = None,
     ) -> PhaseCost | None:
         """The steps that prefill one prompt (after `cached_tokens` of prefix-cache hits)
-        while `running_contexts` decode alongside; `capped` False: several prompts'
-        tokens together, not held to `long_prefill_cap` each."""
+        while `running_contexts` decode alongside, in chunks of at most
+        `long_prefill_cap` where others are eligible (`capped`: see
+        `prefill_chunk_tokens`)."""
         roofline = self.roofline
         if roofline is None:
             return None
+        if capped is None:
+            capped = bool(running_contexts)
         return roofline.prefill(
             prompt_tokens, running_contexts, self.max_num_batched_tokens, cached_tokens,
             self.long_prefill_cap if capped else 0,
         )
+
+    def prefill_in_steps(self, prompt_tokens: int, steps: int,
+                         running_contexts: tuple[int, ...] = (),
+                         cached_tokens: int = 0) -> PhaseCost | None:
+        """Several prompts' `prompt_tokens` prefilled over `steps` steps while
+        `running_contexts` decode (`model.prefill_queue`: prompts behind others under
+        the long-prefill threshold)."""
+        roofline = self.roofline
+        if roofline is None:
+            return None
+        return roofline.prefill_in_steps(prompt_tokens, steps, running_contexts, cached_tokens)
 
     def pickup(self, running_contexts: tuple[int, ...],
                steps: float | None = None) -> PhaseCost | None:

@@ -19,7 +19,8 @@ It follows `vllm/v1/core/sched/scheduler.py` (vLLM 0.32), one `schedule()` per s
    check (the whole prompt must fit in the free blocks, `scheduler_reserve_full_isl`;
    a sliding window counted up to the window plus the tokens of the step in flight and
    of the step scheduled, `SlidingWindowSpec.max_admission_blocks_per_request`), then
-   its first chunk, which must fit too. The first request that does not fit stops
+   its first chunk (at most `long_prefill_token_threshold`, as above), which must fit
+   too. The first request that does not fit stops
    admission.
 
 vLLM schedules a step while the previous one runs (asynchronous scheduling, on by
@@ -52,8 +53,9 @@ batch, mean decode context), the token figures rounded to `price_bits` significa
 bits (0: exact).
 
 Not modelled: speculative decoding, KV connectors, multimodal encoders, pipeline
-parallelism, the watermark (0 by default), prefix hits on layouts with sliding-window
-or state groups, and the time the scheduler itself takes. Decodes are scheduled before
+parallelism, the watermark (0 by default), `long_prefill_token_threshold_adaptive`,
+state groups' block-aligned chunks, prefix hits on layouts with sliding-window or state
+groups, and the time the scheduler itself takes. Decodes are scheduled before
 running chunked prefills (vLLM takes running requests in order; the two differ only when
 the budget runs out between them).
 """

@@ -30,7 +30,7 @@ from sidecar.admission import (
     ServerState,
     Ticket,
 )
-from sidecar.admission.cost import LatencySpread, ModelInputs
+from sidecar.admission.cost import LatencySpread, ModelInputs, own_prefill_capped
 from sidecar.admission.prefix import EventCache
 from sidecar.admission.server_queue import MAX_REQUESTS
 from sidecar.calibration import CalibrationStore, Calibrator, warning_kind
@@ -649,9 +649,14 @@ class Services:
         prefilled = ticket.request.prompt_tokens - ticket.cost.cached_tokens + ahead
         # The others running when it was sent (the count includes itself), whose steps
         # it waited for unless prompts were ahead of it (as `CostModel` prices it).
+        # Priced as `CostModel` prices it: with prompts ahead, their tokens and its own
+        # together (which the server's long-prefill threshold does not cap as one).
         calibrator.observe_prefill(served, prefilled, max(0, batch_at_start - 1),
                                    context, (first_token_at - ticket.admitted_s) / slowdown,
-                                   waited=not ahead)
+                                   waited=not ahead,
+                                   capped=False if ahead else own_prefill_capped(
+                                       ticket.request.sequences),
+                                   in_steps=inputs.ahead_steps if inputs is not None else 0)
         if tpot is not None:
             calibrator.observe_decode(served, others + 1, context, tpot / slowdown)
         self.apply_calibration()
