@@ -11,7 +11,7 @@ import logging
 import math
 import random
 import statistics
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from dataclasses import replace
 from pathlib import Path
 
@@ -121,6 +121,35 @@ def test_finds_the_server_from_a_prior_off_either_way(prior: str) -> None:
                                   rel=0.3)
 
 
+Observe = Callable[[Calibrator, int, int, int, random.Random], None]
+
+
+def prefill_ratio_after(truth: ServedModel, served: ServedModel, observe: Observe) -> float:
+    """`observe` 150 of the sidecar's requests with others running (a prompt, the
+    running count, the context; each with its decode from `truth`), fit, and return
+    the fitted model's prefill over the truth's, median over 100 requests held out."""
+    rng = random.Random(5)
+    calibrator = Calibrator()
+    for _ in range(150):
+        prompt, running, context = request(rng)
+        running = max(1, running)
+        observe(calibrator, prompt, running, context, rng)
+        tpot = truth.tpot((context,) * (running + 1))
+        assert tpot is not None
+        calibrator.observe_decode(served, running + 1, context,
+                                  tpot.seconds * rng.lognormvariate(0, 0.03))
+    fitted = served.with_efficiency(calibrator.efficiency(served))
+    rng = random.Random(6)
+    errors = []
+    for _ in range(100):
+        prompt, running, context = request(rng)
+        running = max(1, running)
+        true, predicted = (m.prefill(prompt, (context,) * running) for m in (truth, fitted))
+        assert true is not None and predicted is not None
+        errors.append(predicted.seconds / true.seconds)
+    return statistics.median(errors)
+
+
 def test_prefills_behind_prompts_ahead_are_learned_without_the_wait() -> None:
     """A request with prompts ahead of it waited for their steps, not the running
     requests' (`CostModel`): its observation is told so (`waited=False`) and fitted
@@ -128,30 +157,15 @@ def test_prefills_behind_prompts_ahead_are_learned_without_the_wait() -> None:
     truth, served = on(CPU, TRUTH), on(PRIORS["generic"])
     fits = {}
     for told in (False, True):
-        rng = random.Random(5)
-        calibrator = Calibrator()
-        for _ in range(150):
-            prompt, running, context = request(rng)
-            running = max(1, running)
+        def observe(calibrator: Calibrator, prompt: int, running: int, context: int,
+                    rng: random.Random, told: bool = told) -> None:
             ttft = truth.prefill(prompt, (context,) * running)
-            tpot = truth.tpot((context,) * (running + 1))
-            assert ttft is not None and tpot is not None
+            assert ttft is not None
             calibrator.observe_prefill(served, prompt, running, context,
                                        ttft.seconds * rng.lognormvariate(0, 0.03),
                                        waited=told)
-            calibrator.observe_decode(served, running + 1, context,
-                                      tpot.seconds * rng.lognormvariate(0, 0.03))
-        fitted = served.with_efficiency(calibrator.efficiency(served))
-        rng = random.Random(6)
-        errors = []
-        for _ in range(100):
-            prompt, running, context = request(rng)
-            running = max(1, running)
-            true, predicted = (m.prefill(prompt, (context,) * running)
-                               for m in (truth, fitted))
-            assert true is not None and predicted is not None
-            errors.append(predicted.seconds / true.seconds)
-        fits[told] = statistics.median(errors)
+
+        fits[told] = prefill_ratio_after(truth, served, observe)
     assert fits[False] == pytest.approx(1.0, abs=0.05)
     assert fits[True] < 0.95  # the wait it did not have, taken out of its prefill
 
@@ -166,30 +180,16 @@ def test_prompts_ahead_are_learned_as_priced_under_a_long_prefill_threshold() ->
     served = on(PRIORS["generic"]).with_deployment(long_prefill_token_threshold=64)
     fits = {}
     for told in (False, None):
-        rng = random.Random(5)
-        calibrator = Calibrator()
-        for _ in range(150):
-            prompt, running, context = request(rng)
-            running = max(1, running)
+        def observe(calibrator: Calibrator, prompt: int, running: int, context: int,
+                    rng: random.Random, told: bool | None = told) -> None:
             together = 2 * prompt  # a prompt as long as its own ahead of it
             ttft = truth.prefill(together, (context,) * running, capped=False)
-            tpot = truth.tpot((context,) * (running + 1))
-            assert ttft is not None and tpot is not None
+            assert ttft is not None
             calibrator.observe_prefill(served, together, running, context,
                                        ttft.seconds * rng.lognormvariate(0, 0.03),
                                        waited=False, capped=told)
-            calibrator.observe_decode(served, running + 1, context,
-                                      tpot.seconds * rng.lognormvariate(0, 0.03))
-        fitted = served.with_efficiency(calibrator.efficiency(served))
-        rng = random.Random(6)
-        errors = []
-        for _ in range(100):
-            prompt, running, context = request(rng)
-            running = max(1, running)
-            true, predicted = (m.prefill(prompt, (context,) * running) for m in (truth, fitted))
-            assert true is not None and predicted is not None
-            errors.append(predicted.seconds / true.seconds)
-        fits[told] = statistics.median(errors)
+
+        fits[told] = prefill_ratio_after(truth, served, observe)
     assert fits[False] == pytest.approx(1.0, abs=0.05)
     assert fits[None] < 0.8
 
@@ -204,31 +204,17 @@ def test_prompts_side_by_side_under_a_long_prefill_threshold_are_learned_over_th
     served = on(PRIORS["generic"]).with_deployment(long_prefill_token_threshold=64)
     fits = {}
     for told in (True, False):
-        rng = random.Random(5)
-        calibrator = Calibrator()
-        for _ in range(150):
-            prompt, running, context = request(rng)
-            running = max(1, running)
+        def observe(calibrator: Calibrator, prompt: int, running: int, context: int,
+                    rng: random.Random, told: bool = told) -> None:
             steps = -(-prompt // 64)  # its own chunks, a prompt as long beside it
             ttft = truth.prefill_in_steps(2 * prompt, steps, (context,) * running)
-            tpot = truth.tpot((context,) * (running + 1))
-            assert ttft is not None and tpot is not None
+            assert ttft is not None
             calibrator.observe_prefill(served, 2 * prompt, running, context,
                                        ttft.seconds * rng.lognormvariate(0, 0.03),
                                        waited=False, capped=False,
                                        in_steps=steps if told else 0)
-            calibrator.observe_decode(served, running + 1, context,
-                                      tpot.seconds * rng.lognormvariate(0, 0.03))
-        fitted = served.with_efficiency(calibrator.efficiency(served))
-        rng = random.Random(6)
-        errors = []
-        for _ in range(100):
-            prompt, running, context = request(rng)
-            running = max(1, running)
-            true, predicted = (m.prefill(prompt, (context,) * running) for m in (truth, fitted))
-            assert true is not None and predicted is not None
-            errors.append(predicted.seconds / true.seconds)
-        fits[told] = statistics.median(errors)
+
+        fits[told] = prefill_ratio_after(truth, served, observe)
     assert fits[True] == pytest.approx(1.0, abs=0.05)
     assert fits[False] > 1.25
 
