@@ -30,7 +30,7 @@ from sidecar.admission.queue import Entry
 from sidecar.admission.room import KVRoom, QueueWalk, RunningHoldings
 from sidecar.admission.wait_ratio import MIN_SAMPLES
 from sidecar.model import ServedModel
-from sidecar.model.prefill_queue import prefill_behind
+from sidecar.model.prefill_queue import PrefillBehind, prefill_behind
 
 from support.admission_fixtures import (
     TINY_LLAMA,
@@ -468,9 +468,11 @@ def test_a_prefill_beside_running_requests_is_priced_in_chunks_of_the_long_prefi
     # comes after the long one.
     short = capped.cost(100, 8, running=3, mean_context=600, ahead=(5000,))
     alone = capped.cost(100, 8, running=3, mean_context=600)
-    assert short.model_inputs is not None
-    assert (short.model_inputs.ahead_steps, short.model_inputs.ahead_tokens) == (1, 128)
     assert short.prefill_model_s == pytest.approx(alone.prefill_model_s, rel=1e-12)
+    # ... and it is priced (and learned by calibration) as its own prefill alone.
+    assert short.model_inputs is not None and alone.model_inputs is not None
+    assert short.model_inputs == alone.model_inputs
+    assert prefill_behind((5000,), 100, 2048 - 3, 128) == PrefillBehind(1, 228)
     assert plain.cost(100, 8, running=3, mean_context=600,
                       ahead=(5000,)).prefill_model_s > short.prefill_model_s
     # Behind twenty prompts of 640 (16 chunks of 128 fill the budget), its own chunks
@@ -560,7 +562,14 @@ def test_prompts_admitted_before_and_not_yet_prefilled_are_ahead_in_the_ttft() -
             ticket.first_token()  # type: ignore[attr-defined]
         alone = loop.run_until_complete(admit(ctl, prompt_tokens=400, max_tokens=8))
         assert alone.cost.model_inputs.ahead_tokens == 0  # type: ignore[attr-defined]
-        for ticket in (*tickets, later, alone):
+        # A request's forks are prompts of their own to the server, one after another:
+        # 3 forks that do not share, then 3 that share all but the 16-token tail.
+        alone.first_token()  # type: ignore[attr-defined]
+        forked = [loop.run_until_complete(admit(ctl, prompt_tokens=400, max_tokens=8,
+                                                sequences=3, forks_share=share))
+                  for share in (False, True)]
+        assert running.prefill_ahead(clock.now) == (400, 400, 400, 400, 16, 16)
+        for ticket in (*tickets, later, alone, *forked):
             ticket.finish()  # type: ignore[attr-defined]
         assert ctl.ledger.reserved_blocks == 0
     finally:

@@ -170,30 +170,6 @@ def test_prefills_behind_prompts_ahead_are_learned_without_the_wait() -> None:
     assert fits[True] < 0.95  # the wait it did not have, taken out of its prefill
 
 
-def test_prompts_ahead_are_learned_as_priced_under_a_long_prefill_threshold() -> None:
-    """With the server's long-prefill threshold (64 tokens here), `CostModel` prices a
-    request behind prompts ahead as their tokens and its own together at the whole
-    budget (the threshold caps each prompt, not their sum): the observation says so
-    (`capped=False`) and is fitted so. Read as one prompt in chunks of 64, the same times
-    read as a far faster server."""
-    truth = on(CPU, TRUTH).with_deployment(long_prefill_token_threshold=64)
-    served = on(PRIORS["generic"]).with_deployment(long_prefill_token_threshold=64)
-    fits = {}
-    for told in (False, None):
-        def observe(calibrator: Calibrator, prompt: int, running: int, context: int,
-                    rng: random.Random, told: bool | None = told) -> None:
-            together = 2 * prompt  # a prompt as long as its own ahead of it
-            ttft = truth.prefill(together, (context,) * running, capped=False)
-            assert ttft is not None
-            calibrator.observe_prefill(served, together, running, context,
-                                       ttft.seconds * rng.lognormvariate(0, 0.03),
-                                       waited=False, capped=told)
-
-        fits[told] = prefill_ratio_after(truth, served, observe)
-    assert fits[False] == pytest.approx(1.0, abs=0.05)
-    assert fits[None] < 0.8
-
-
 def test_prompts_side_by_side_under_a_long_prefill_threshold_are_learned_over_their_steps(
 ) -> None:
     """Behind prompts ahead under the threshold, `CostModel` prices their chunks and its

@@ -113,24 +113,45 @@ def test_a_long_prefill_threshold_caps_a_prompt_only_beside_other_requests() -> 
         replace(EngineConfig.of(served()), long_prefill_token_threshold=-1)
 
 
-@pytest.mark.parametrize("seed", range(24))
-def test_a_prefill_behind_others_ends_where_the_scheduling_loop_ends_it(seed: int) -> None:
+def _step_by_step(ahead: list[int], own: int, budget: int, cap: int,
+                  others: bool) -> tuple[int, int]:
+    """The rule `prefill_behind` jumps through, one step at a time: (steps, tokens)."""
+    left, steps, tokens = [a for a in ahead if a > 0] + [own], 0, 0
+    while left[-1] > 0:
+        steps += 1
+        room = budget
+        alone = sum(1 for t in left if t > 0) == 1 and not others
+        for index, rest in enumerate(left):
+            grant = min(rest, room) if alone else min(rest, cap, room)
+            left[index] -= grant
+            room -= grant
+            tokens += grant
+    return steps, tokens
+
+
+@pytest.mark.parametrize("decoding", [False, True], ids=["alone", "beside-a-decode"])
+@pytest.mark.parametrize("seed", range(16))
+def test_a_prefill_behind_others_ends_where_the_scheduling_loop_ends_it(
+        seed: int, decoding: bool) -> None:
     """`prefill_behind`, the closed form admission prices a prompt behind others with
     under a long-prefill threshold, against the simulator's scheduling loop (itself
-    checked step for step against vLLM's): prompts sent at once, one output token each
-    (no decodes), the last one's first token at the end of the same step."""
+    checked step for step against vLLM's): prompts sent at once, one output token each,
+    the last one's first token at the end of the same step; alone, or behind a request
+    that decodes all along (one token of every step's budget, and always eligible)."""
     rng = random.Random(seed)
     cap, chunk = rng.choice((16, 64, 200, 256, 512)), rng.choice((512, 1024, 2048))
     ahead = [rng.randint(1, 3000) for _ in range(rng.randint(0, 12))]
     own = rng.randint(1, 3000)
-    model = served(blocks=8192, chunk=chunk, long_prefill=cap)
-    result = run(model, [SimRequest(0.0, p, 1) for p in [*ahead, own]],
+    model = served(blocks=8192, chunk=chunk, long_prefill=cap, max_len=8192)
+    decoder = [SimRequest(0.0, 1, 6000)] if decoding else []
+    result = run(model, [*decoder, *(SimRequest(0.0, p, 1) for p in [*ahead, own])],
                  async_scheduling=False, kv_samples=10**6)
     ends = [t for t, _ in result.kv_samples]
-    behind = prefill_behind(ahead, own, chunk, cap, others=False)
+    budget = chunk - 1 if decoding else chunk
+    behind = prefill_behind(ahead, own, budget, cap, others=decoding)
     assert result.records[-1].ttft_s == pytest.approx(
         ends[behind.steps - 1] + model.efficiency.per_request_s, rel=1e-12)
-    assert behind.tokens <= sum(ahead) + own
+    assert (behind.steps, behind.tokens) == _step_by_step(ahead, own, budget, cap, decoding)
 
 
 def test_the_predicted_prefill_follows_the_long_prefill_threshold() -> None:

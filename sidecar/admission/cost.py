@@ -73,10 +73,12 @@ class ModelInputs(NamedTuple):
     batch: int  # the decode batch it joins, itself included
     context_tokens: int  # the decode's mean context
     slowdown: float  # the others' prefill load at admission (see `load.PrefillLoad`)
-    ahead_tokens: int = 0  # admitted prompts' tokens the server prefills before this one
-    # With the server's long-prefill threshold: the steps until its prefill ends, its
-    # own chunks beside the prompts ahead (`model.prefill_queue`), which schedule
-    # `ahead_tokens` in them; 0: all of theirs first, at the whole budget.
+    # Admitted prompts' tokens the server prefills before its first token: all of them,
+    # first, at the whole budget; with the server's long-prefill threshold, those
+    # scheduled in the `ahead_steps` steps until its own last chunk, side by side with
+    # it (`model.prefill_queue`), and none where its own prefill after the steps in
+    # flight takes longer (the TTFT was priced from that).
+    ahead_tokens: int = 0
     ahead_steps: int = 0
 
 
@@ -256,7 +258,12 @@ class CostModel:
         capped = own_prefill_capped(sequences)
         own_prefill = self.prefill_s(prompt_tokens - cached, running, mean_context, cached,
                                      capped)
-        prefill, tpot = self._model_s(inputs, own_prefill)
+        prefill, tpot, behind = self._model_s(inputs, own_prefill)
+        if inputs.ahead_steps and not behind:
+            # Under a long-prefill threshold its own prefill after the steps in flight
+            # set the TTFT: what it was priced from (and what calibration learns it
+            # as) is that alone.
+            inputs = inputs._replace(ahead_tokens=0, ahead_steps=0)
         # Its work, as engine time: its tokens at the whole budget (a long-prefill
         # threshold spreads them over more steps, which other requests share).
         own_work = own_prefill if not self._prefill_chunk_tokens else self.prefill_s(
@@ -306,7 +313,7 @@ class CostModel:
         """This model's own (p50 before the spread) TTFT ("ttft": the wait for the
         running requests' steps and the prefill) or TPOT ("tpot") of a request priced
         from `inputs`, the others' load included."""
-        prefill, tpot = self._model_s(inputs, self.prefill_s(
+        prefill, tpot, _ = self._model_s(inputs, self.prefill_s(
             inputs.prefilled_tokens, inputs.running, inputs.mean_context, inputs.cached_tokens,
             own_prefill_capped(inputs.batch - inputs.running)))
         return (prefill if quantity == "ttft" else tpot) * inputs.slowdown
@@ -324,7 +331,8 @@ class CostModel:
         behind = prefill_behind(ahead, own, budget, cap, others=running > 0 or sequences > 1)
         return behind.tokens - own, behind.steps
 
-    def _model_s(self, inputs: ModelInputs, own_prefill_s: float) -> tuple[float, float]:
+    def _model_s(self, inputs: ModelInputs,
+                 own_prefill_s: float) -> tuple[float, float, bool]:
         """The TTFT from the server's taking the request in (the running requests' steps
         it waits for, the prompts ahead, its own prefill) and the TPOT. With prompts
         ahead, the steps it waits for are theirs, in their prefill already: the TTFT is
@@ -332,16 +340,19 @@ class CostModel:
         prompt ahead never makes a request's first token sooner). Theirs: all of their
         tokens, then its own, at the whole budget; with a long-prefill threshold, their
         chunks and its own side by side until its last (`ahead_steps`).
-        `own_prefill_s`: `prefill_s` of its own inputs."""
+        `own_prefill_s`: `prefill_s` of its own inputs. The third value: whether the
+        prefill with the prompts ahead set the TTFT."""
         own_s = self.pickup_s(inputs.running, inputs.mean_context) + own_prefill_s
+        behind_s = 0.0
         if inputs.ahead_tokens:
             together = inputs.prefilled_tokens + inputs.ahead_tokens
-            own_s = max(own_s, self.prefill_in_steps_s(
+            behind_s = self.prefill_in_steps_s(
                 together, inputs.ahead_steps, inputs.running, inputs.mean_context,
                 inputs.cached_tokens) if inputs.ahead_steps else self.prefill_s(
                 together, inputs.running, inputs.mean_context, inputs.cached_tokens,
-                capped=False))
-        return own_s, self.tpot_s(inputs.batch, inputs.context_tokens)
+                capped=False)
+        return (max(own_s, behind_s), self.tpot_s(inputs.batch, inputs.context_tokens),
+                behind_s > own_s)
 
     def prefill_in_steps_s(self, prompt_tokens: int, steps: int, running: int = 0,
                            mean_context: int = 0, cached_tokens: int = 0) -> float:

@@ -159,10 +159,10 @@ class RunningSet:
 
     def prefill_ahead(self, now: float) -> tuple[int, ...]:
         """Prompt tokens the server still has to prefill for admitted requests before a
-        new one's (vLLM schedules prefills first come, first served), in the order they
-        were admitted: each one's new tokens (all its forks':
-        `RequestCost.server_prefill_tokens`) times the share of its predicted time to
-        first token still to run.
+        new one's (vLLM schedules prefills first come, first served), prompt by prompt
+        in the order they were admitted (a request's forks one after another): their
+        new tokens (`RequestCost.server_prefill_tokens`) times the share of its
+        predicted time to first token still to run.
         Called with a clock that never goes back: one whose predicted time has passed
         counts for nothing from then on, and is no longer looked at (a decision costs
         the prefills in flight, not every request waiting for its first token)."""
@@ -172,10 +172,20 @@ class RunningSet:
             cost = ticket.cost
             expected_s = cost.prefill_s
             left = 1.0 if expected_s <= 0 else 1.0 - (now - ticket.admitted_s) / expected_s
-            if left > 0:
-                ahead.append(round(cost.server_prefill_tokens * min(1.0, left)))
-            else:
+            if left <= 0:
                 over.append(key)
+                continue
+            share = min(1.0, left)
+            forks = cost.sequences
+            if forks <= 1:
+                ahead.append(round(cost.server_prefill_tokens * share))
+                continue
+            # Each fork is a prompt of its own to the server: the first's tokens not
+            # cached, then the others' (their tails, where forks share the prompt).
+            first = min(cost.server_prefill_tokens, cost.prompt_tokens - cost.cached_tokens)
+            each = (cost.server_prefill_tokens - first) / (forks - 1)
+            ahead.append(round(first * share))
+            ahead.extend([round(each * share)] * (forks - 1))
         for key in over:
             del self._prefilling[key]
         return tuple(ahead)

@@ -43,22 +43,34 @@ def prefill_behind(ahead: Sequence[int], own: int, budget: int, cap: int,
     while True:
         alone = len(left) == 1 and not others
         room = budget
-        grants: list[int] = []
+        grants: list[int] = []  # the first prompts', until the budget is spent
         for tokens in left:
-            grant = min(tokens, room) if alone else min(cap, tokens, room)
+            if room == 0:
+                break
+            limit = tokens if alone or tokens < cap else cap
+            grant = limit if limit < room else room
             grants.append(grant)
             room -= grant
-        mine = grants[-1]
+        given = len(grants)
+        mine = grants[-1] if given == len(left) else 0
         # The allocation repeats while every prompt given tokens has that many left.
-        repeats = min(tokens // grant for tokens, grant in zip(left, grants, strict=True)
-                      if grant > 0)
+        repeats = left[0] // grants[0]
+        for index in range(1, given):
+            repeats = min(repeats, left[index] // grants[index])
         if mine > 0 and left[-1] <= repeats * mine:
             last = -(-left[-1] // mine)
-            taken = sum(min(tokens, last * grant)
-                        for tokens, grant in zip(left, grants, strict=True))
+            taken = 0
+            for index in range(given):
+                taken += min(left[index], last * grants[index])
             return PrefillBehind(steps + last, scheduled + taken)
         steps += repeats
-        scheduled += repeats * sum(grants)
-        left = [tokens - repeats * grant
-                for tokens, grant in zip(left[:-1], grants[:-1], strict=True)
-                if tokens > repeats * grant] + [left[-1] - repeats * mine]
+        spent = 0
+        kept: list[int] = []
+        for index in range(given):
+            spent += grants[index]
+            rest = left[index] - repeats * grants[index]
+            if rest > 0:
+                kept.append(rest)
+        scheduled += repeats * spent
+        kept.extend(left[given:])
+        left = kept

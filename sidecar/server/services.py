@@ -648,14 +648,13 @@ class Services:
         ahead = inputs.ahead_tokens if inputs is not None else 0
         prefilled = ticket.request.prompt_tokens - ticket.cost.cached_tokens + ahead
         # The others running when it was sent (the count includes itself), whose steps
-        # it waited for unless prompts were ahead of it (as `CostModel` prices it).
-        # Priced as `CostModel` prices it: with prompts ahead, their tokens and its own
-        # together (which the server's long-prefill threshold does not cap as one).
+        # it waited for unless prompts were ahead of it; in the form `CostModel` priced
+        # it (`ModelInputs`): with prompts ahead, their tokens and its own together, at
+        # the whole budget or over `ahead_steps` under a long-prefill threshold.
         calibrator.observe_prefill(served, prefilled, max(0, batch_at_start - 1),
                                    context, (first_token_at - ticket.admitted_s) / slowdown,
                                    waited=not ahead,
-                                   capped=False if ahead else own_prefill_capped(
-                                       ticket.request.sequences),
+                                   capped=own_prefill_capped(ticket.request.sequences),
                                    in_steps=inputs.ahead_steps if inputs is not None else 0)
         if tpot is not None:
             calibrator.observe_decode(served, others + 1, context, tpot / slowdown)
