@@ -20,8 +20,7 @@ It follows `vllm/v1/core/sched/scheduler.py` (vLLM 0.32), one `schedule()` per s
    a sliding window counted up to the window plus the tokens of the step in flight and
    of the step scheduled, `SlidingWindowSpec.max_admission_blocks_per_request`), then
    its first chunk (at most `long_prefill_token_threshold`, as above), which must fit
-   too. The first request that does not fit stops
-   admission.
+   too. The first request that does not fit stops admission.
 
 vLLM schedules a step while the previous one runs (asynchronous scheduling, on by
 default on GPUs): a request that finished in a step still holds its blocks and its place
