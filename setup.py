@@ -38,6 +38,7 @@ COMPILED = [
     "sidecar/admission/running.py",
     "sidecar/admission/server_queue.py",
     "sidecar/admission/sharing.py",
+    "sidecar/admission/step_clock.py",
     "sidecar/admission/wait_ratio.py",
     "sidecar/metrics.py",
     "sidecar/model/latency.py",

@@ -1056,7 +1056,7 @@ def test_predicted_wait_is_when_admission_would_let_the_request_in() -> None:
         # 27 blocks now and for its 40 steps: nothing of 12 blocks fits until it ends.
         blocker = loop.run_until_complete(admit(ctl, prompt_tokens=420, max_tokens=40))
         blocker.first_token()  # type: ignore[attr-defined]
-        step_s = ctl._step_s(clock())
+        step_s = ctl._step_s(clock(), 1)  # the blocker alone
         with pytest.raises(Rejected) as late:
             loop.run_until_complete(admit(ctl, prompt_tokens=150, max_tokens=30,
                                           ttft_slo_s=1e-6))
@@ -1065,6 +1065,38 @@ def test_predicted_wait_is_when_admission_would_let_the_request_in() -> None:
         assert 40 <= waited_steps - late.value.decision.details[
             "predicted_prefill_s"] / step_s <= 42
         blocker.finish()  # type: ignore[attr-defined]
+    finally:
+        loop.close()
+
+
+def test_a_wait_gets_faster_steps_as_the_running_requests_finish() -> None:
+    """A wait for room is counted in engine steps; each lasts as long as a step of the
+    batch running then: after the short request ends, the long one steps alone."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock)  # target 38 blocks of 16 tokens
+    # Host work per sequence in a step (as on the CPU server): a step of 2 is slower.
+    served = ctl.cost_model.served
+    ctl.set_cost_model(CostModel(served.with_efficiency(
+        replace(served.efficiency, per_sequence_s=2e-3))))
+    loop = FakeClockLoop(clock)
+    try:
+        # 27 blocks for 40 steps and 6 for 10: 12 more fit only once both have ended.
+        long = loop.run_until_complete(admit(ctl, prompt_tokens=420, max_tokens=40))
+        short = loop.run_until_complete(admit(ctl, prompt_tokens=80, max_tokens=10))
+        for ticket in (long, short):
+            ticket.first_token()  # type: ignore[attr-defined]
+        ends = sorted(h.end_steps for h in ctl._running_holdings(clock()).holdings)
+        alone_s, together_s = ctl._step_s(clock(), 1), ctl._step_s(clock(), 2)
+        assert together_s > 1.2 * alone_s  # the premise: a batch of 2 steps slower
+        with pytest.raises(Rejected) as late:
+            loop.run_until_complete(admit(ctl, prompt_tokens=150, max_tokens=30,
+                                          ttft_slo_s=1e-6))
+        wait_s = late.value.decision.details["model_wait_s"]
+        assert wait_s == pytest.approx(ends[0] * together_s + (ends[1] - ends[0]) * alone_s,
+                                       abs=1e-6)  # the details keep 6 digits
+        assert wait_s < ends[1] * together_s - (ends[1] - ends[0]) * (together_s - alone_s) / 2
+        for ticket in (long, short):
+            ticket.finish()  # type: ignore[attr-defined]
     finally:
         loop.close()
 
@@ -1087,7 +1119,7 @@ def test_a_wait_behind_short_queued_requests_is_their_turnover_not_the_longest_r
                   for _ in range(3)]
         loop.run_until_complete(asyncio.sleep(0))
         assert len(ctl.queue) == 3
-        step_s = ctl._step_s(clock())
+        step_s = ctl._step_s(clock(), 2)  # the blocker and the long one
         with pytest.raises(Rejected) as late:
             loop.run_until_complete(admit(ctl, prompt_tokens=40, max_tokens=8,
                                           ttft_slo_s=1e-6))
@@ -1158,7 +1190,7 @@ def test_queue_waits_are_corrected_by_the_waits_requests_then_had() -> None:
             loop.run_until_complete(asyncio.sleep(0))
             assert len(ctl.queue) == 1
             # The blocker's client leaves after a quarter of the predicted wait.
-            clock.advance(ctl._step_s(clock()) * 41 / 4)
+            clock.advance(ctl._step_s(clock(), 1) * 41 / 4)
             blocker.finish()  # type: ignore[attr-defined]
             loop.run_until_complete(asyncio.sleep(0))
             waiting.result().finish()

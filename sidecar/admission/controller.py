@@ -37,7 +37,7 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol, cast
@@ -68,6 +68,7 @@ from sidecar.admission.room import KVRoom, QueueWalk, RunningHoldings
 from sidecar.admission.running import AdmissionRequest, RunningSet, Ticket
 from sidecar.admission.server_queue import ServerQueueLimits
 from sidecar.admission.sharing import PromptSharing
+from sidecar.admission.step_clock import seconds_until
 from sidecar.admission.wait_ratio import WaitRatio
 
 Clock = Callable[[], float]
@@ -492,11 +493,27 @@ class AdmissionController:
             self._room_cache = cached
         return cached[2]
 
-    def _step_s(self, now: float) -> float:
-        """Predicted time of one engine step at the current batch."""
-        batch = max(1, len(self._running))
+    def _step_s(self, now: float, batch: int) -> float:
+        """Predicted time of one engine step of `batch` requests."""
+        batch = max(1, batch)
         return self.cost_model.tpot_s(batch, self._mean_context()) * (
             self.prefill_load.slowdown(now, batch - 1))
+
+    def _seconds_until(self, step: float, now: float, running: RunningHoldings,
+                       admitted: Sequence[tuple[int, int]] = ()) -> float:
+        """Seconds until engine step `step`: each step as long as one of the batch then,
+        the running requests until their last steps, plus `admitted` (spans of requests
+        admitted on the way: `QueueWalk.spans`)."""
+        spans = [(0, h.end_steps) for h in running.holdings]
+        spans.extend(admitted)
+        step_s: dict[int, float] = {}
+
+        def of(batch: int) -> float:
+            if batch not in step_s:
+                step_s[batch] = self._step_s(now, batch)
+            return step_s[batch]
+
+        return seconds_until(step, spans, of)
 
     def _kv_wait_s(self, request: AdmissionRequest, cost: RequestCost, band: int,
                    plan: PrefixPlan | None = None) -> float:
@@ -511,25 +528,29 @@ class AdmissionController:
         now = self.clock()
         running = self._running_holdings(now)
         target = self.ledger.target_blocks
-        step_s = self._step_s(now)
         deadline = None if request.ttft_slo_s is None else now + request.ttft_slo_s
         ahead = self._queue_ahead(running, band, request.tenant, target,
                                   self.queue.newcomer_key(deadline))
         if plan is None:
             plan = self._plan(request)
         charge = self._charge(plan, cost)
+        admitted: Sequence[tuple[int, int]] = ()
         if ahead is None:
             if len(running.tickets) <= _EXACT_WAIT_RUNNING:
                 steps = self.room.steps_until_fits(running, request, cost, plan, target)
             else:
                 steps = self.room.steps_until_room(running, charge, target)
+        elif ahead.walk is None:
+            steps = math.inf
+            charge += ahead.blocks
         else:
-            steps = math.inf if ahead.walk is None else ahead.walk.copy().steps_until_admitted(
-                self.room.queued(request, cost), target)
+            walk = ahead.walk.copy()
+            steps = walk.steps_until_admitted(self.room.queued(request, cost), target)
+            admitted = walk.spans
             charge += ahead.blocks
         if math.isfinite(steps):
-            return steps * step_s
-        return self._unexplained_wait_s(running, charge, step_s)
+            return self._seconds_until(steps, now, running, admitted)
+        return self._unexplained_wait_s(running, charge, now)
 
     def _queue_ahead(self, running: RunningHoldings, band: int, tenant: str,
                      target: int, order: tuple[float, int]) -> _QueueAhead | None:
@@ -554,7 +575,7 @@ class AdmissionController:
         return ahead
 
     def _unexplained_wait_s(self, running: RunningHoldings, blocks: float,
-                            step_s: float) -> float:
+                            now: float) -> float:
         """The wait when the blocks held throughout (use the server reports that kvgate
         did not admit) leave no room even once the running requests end: past the last
         of them, the cache's turnover at the last known request duration (inf: none
@@ -562,7 +583,8 @@ class AdmissionController:
         duration = running.mean_duration_s if running.tickets else self._last_duration_s
         if duration <= 0:
             return math.inf
-        last_s = max((h.end_steps for h in running.holdings), default=0) * step_s
+        last_s = self._seconds_until(max((h.end_steps for h in running.holdings), default=0),
+                                     now, running)
         excess = running.base_blocks + blocks - self.ledger.target_blocks
         return last_s + max(0.0, excess) * duration / max(1, self.ledger.capacity_blocks)
 
@@ -1023,7 +1045,7 @@ class AdmissionController:
         for step, blocks in profile:
             if blocks > capacity:
                 # It crosses after the last step seen within capacity: the earliest time.
-                exhaustion = (below + 1 if step > 0 else 0) * self._step_s(now)
+                exhaustion = self._seconds_until(below + 1 if step > 0 else 0, now, held)
                 break
             below = step
         return Forecast(capacity, peak, exhaustion)

@@ -385,13 +385,17 @@ class QueueWalk:
     admitted so far hold from a step on never grows later, so each request needs
     checking only at the step it would start: O((running + queued) log) in all. The
     walk keeps where it stands, so that a newcomer behind the same queue is priced from
-    there (`steps_until_admitted`) without walking the queue again."""
+    there (`steps_until_admitted`) without walking the queue again, and the steps each
+    admitted one runs over (`spans`), which the time of the steps ahead depends on
+    (`step_clock`)."""
 
-    __slots__ = ("_at", "_changes", "_ends", "_held", "_most", "_profile", "step")
+    __slots__ = ("_at", "_changes", "_ends", "_held", "_most", "_profile", "spans", "step")
 
     def __init__(self, profile: RoomProfile) -> None:
         self._profile = profile
         self._ends: list[tuple[int, float]] = []  # (last step, peak) of those admitted
+        # (first step, the step after its last) of each admitted: they run then.
+        self.spans: list[tuple[int, int]] = []
         self._held = 0.0
         self.step = 0
         # The running requests' most from `_at` on, and where that may change.
@@ -402,6 +406,7 @@ class QueueWalk:
     def copy(self) -> QueueWalk:
         other = QueueWalk(self._profile)
         other._ends, other._held, other.step = list(self._ends), self._held, self.step
+        other.spans = list(self.spans)
         other._at, other._most, other._changes = self._at, self._most, self._changes
         return other
 
@@ -414,6 +419,7 @@ class QueueWalk:
         at, most, changes = self._at, self._most, self._changes
         most_from = self._profile.most_from
         heappop, heappush = heapq.heappop, heapq.heappush
+        spans = self.spans
         limit = limit_blocks + 1e-9
         fits = True
         for holding in holdings:
@@ -437,6 +443,7 @@ class QueueWalk:
             if not fits:
                 break
             heappush(ends, (step + max(1, holding.end_steps), cap))
+            spans.append((step, step + max(1, holding.end_steps)))
             held += cap
         self.step, self._held = step, held
         self._at, self._most, self._changes = at, most, changes
