@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.admission import AdmissionRequest
+from sidecar.admission import AdmissionRequest, CostModel
 from sidecar.calibration.calibrator import LEARN_BURST, LEARN_PER_S
 from sidecar.calibration.sample import RateSample
 
-from support.admission_fixtures import FakeClock, wired_services
+from support.admission_fixtures import FakeClock, tiny_served, wired_services
 
 
 def test_every_request_is_taken_below_the_rate() -> None:
@@ -106,3 +106,40 @@ async def test_a_request_is_learned_beside_the_others_it_ran_with_not_itself(
     ahead = second.cost.model_inputs.ahead_tokens
     assert ahead == 100  # the first one's prompt, admitted and not yet prefilled
     assert seen == [(0, True), (1, False)]
+
+
+async def test_under_a_long_prefill_threshold_a_prefill_is_learned_as_it_was_priced(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under vLLM's long-prefill threshold, calibration learns each time to first token
+    in the form admission priced it: a prompt behind another over the steps the walk
+    found (`in_steps`), a request with forks capped (`capped`)."""
+    clock = FakeClock()
+    services = wired_services(clock)
+    assert services.calibrator is not None
+    # 192 tokens of a step for a prompt beside others, 256 in all: the second prompt
+    # gets what the first leaves, over several steps, not in 1 chunk of its own.
+    services.served = tiny_served(256).with_deployment(long_prefill_token_threshold=192,
+                                                       max_num_batched_tokens=256)
+    services.controller.set_cost_model(CostModel(services.served))
+    seen: list[tuple[int, bool | None, int]] = []
+    monkeypatch.setattr(services.calibrator, "observe_prefill",
+                        lambda served, tokens, running, *a, capped=None, in_steps=0, **k:
+                        seen.append((tokens, capped, in_steps)))
+    first = await services.controller.admit(AdmissionRequest(900, 8))
+    second = await services.controller.admit(AdmissionRequest(190, 8))
+    forked = await services.controller.admit(AdmissionRequest(60, 8, sequences=2))
+    inputs = [t.cost.model_inputs for t in (first, second, forked)]
+    assert all(i is not None for i in inputs)
+    steps = [i.ahead_steps for i in inputs if i is not None]
+    assert steps[0] == 0 and steps[1] > 0  # the second shares steps with the first
+    for batch_at_start, ticket in enumerate((first, second, forked), start=1):
+        started = clock()
+        ticket.finish(8)
+        services.observe_completion(
+            ticket, streamed=True, arrived_at=started, sent_at=started,
+            first_token_at=started + 0.05, ended_at=started + 0.1,
+            output_tokens=8, batch_at_start=batch_at_start)
+    assert [(capped, in_steps) for _, capped, in_steps in seen] == [
+        (None, 0), (None, steps[1]), (True, steps[2])]
+    # With its prompts ahead: their tokens and its own.
+    assert seen[1][0] == 190 + inputs[1].ahead_tokens  # type: ignore[union-attr]
