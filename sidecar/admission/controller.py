@@ -68,7 +68,7 @@ from sidecar.admission.room import KVRoom, QueueWalk, RunningHoldings
 from sidecar.admission.running import AdmissionRequest, RunningSet, Ticket
 from sidecar.admission.server_queue import ServerQueueLimits
 from sidecar.admission.sharing import PromptSharing
-from sidecar.admission.step_clock import seconds_until
+from sidecar.admission.step_clock import StepClock
 from sidecar.admission.wait_ratio import WaitRatio
 
 Clock = Callable[[], float]
@@ -161,6 +161,7 @@ class _QueueAhead:
 
     walk: QueueWalk | None  # None: one of them never fits
     blocks: int  # their reserved peaks together
+    clock: StepClock  # the steps ahead, with them let in as the walk lets them
 
 
 class AdmissionController:
@@ -215,6 +216,8 @@ class AdmissionController:
         # The last walk of the queue (`_queue_ahead`): what it was computed from.
         self._walk_memo: tuple[tuple[int, int, str, int, tuple[float, int]],
                                RunningHoldings, _QueueAhead | None] | None = None
+        # The running requests' step clock (`_running_clock`): whose holdings it is of.
+        self._clock_memo: tuple[RunningHoldings, StepClock] | None = None
 
     # ---- prefix caching ---------------------------------------------------------------
 
@@ -499,21 +502,21 @@ class AdmissionController:
         return self.cost_model.tpot_s(batch, self._mean_context()) * (
             self.prefill_load.slowdown(now, batch - 1))
 
-    def _seconds_until(self, step: float, now: float, running: RunningHoldings,
-                       admitted: Sequence[tuple[int, int]] = ()) -> float:
-        """Seconds until engine step `step`: each step as long as one of the batch then,
+    def _step_clock(self, now: float, running: RunningHoldings,
+                    admitted: Sequence[tuple[int, int]] = ()) -> StepClock:
+        """When each engine step ahead starts, each as long as a step of the batch then:
         the running requests until their last steps, plus `admitted` (spans of requests
-        admitted on the way: `QueueWalk.spans`)."""
+        queued ahead, from the step they are let in: `QueueWalk.spans`)."""
         spans = [(0, h.end_steps) for h in running.holdings]
         spans.extend(admitted)
-        step_s: dict[int, float] = {}
+        return StepClock(spans, lambda batch: self._step_s(now, batch))
 
-        def of(batch: int) -> float:
-            if batch not in step_s:
-                step_s[batch] = self._step_s(now, batch)
-            return step_s[batch]
-
-        return seconds_until(step, spans, of)
+    def _running_clock(self, now: float, running: RunningHoldings) -> StepClock:
+        """`_step_clock` of the running requests alone, kept with their holdings."""
+        memo = self._clock_memo
+        if memo is None or memo[0] is not running:
+            memo = self._clock_memo = (running, self._step_clock(now, running))
+        return memo[1]
 
     def _kv_wait_s(self, request: AdmissionRequest, cost: RequestCost, band: int,
                    plan: PrefixPlan | None = None) -> float:
@@ -534,22 +537,19 @@ class AdmissionController:
         if plan is None:
             plan = self._plan(request)
         charge = self._charge(plan, cost)
-        admitted: Sequence[tuple[int, int]] = ()
         if ahead is None:
             if len(running.tickets) <= _EXACT_WAIT_RUNNING:
                 steps = self.room.steps_until_fits(running, request, cost, plan, target)
             else:
                 steps = self.room.steps_until_room(running, charge, target)
-        elif ahead.walk is None:
-            steps = math.inf
-            charge += ahead.blocks
+            clock = self._running_clock(now, running)
         else:
-            walk = ahead.walk.copy()
-            steps = walk.steps_until_admitted(self.room.queued(request, cost), target)
-            admitted = walk.spans
+            steps = math.inf if ahead.walk is None else ahead.walk.copy().steps_until_admitted(
+                self.room.queued(request, cost), target)
             charge += ahead.blocks
+            clock = ahead.clock
         if math.isfinite(steps):
-            return self._seconds_until(steps, now, running, admitted)
+            return clock.seconds_until(steps)
         return self._unexplained_wait_s(running, charge, now)
 
     def _queue_ahead(self, running: RunningHoldings, band: int, tenant: str,
@@ -570,7 +570,8 @@ class AdmissionController:
             walk = QueueWalk(running.profile)
             fits = walk.admit_all([waiter.holding for waiter in queued], target)
             ahead = _QueueAhead(walk if fits else None,
-                                sum(waiter.cost.kv_blocks for waiter in queued))
+                                sum(waiter.cost.kv_blocks for waiter in queued),
+                                self._step_clock(self.clock(), running, walk.spans))
         self._walk_memo = (key, running, ahead)
         return ahead
 
@@ -583,8 +584,8 @@ class AdmissionController:
         duration = running.mean_duration_s if running.tickets else self._last_duration_s
         if duration <= 0:
             return math.inf
-        last_s = self._seconds_until(max((h.end_steps for h in running.holdings), default=0),
-                                     now, running)
+        last_s = self._running_clock(now, running).seconds_until(
+            max((h.end_steps for h in running.holdings), default=0))
         excess = running.base_blocks + blocks - self.ledger.target_blocks
         return last_s + max(0.0, excess) * duration / max(1, self.ledger.capacity_blocks)
 
@@ -1045,7 +1046,8 @@ class AdmissionController:
         for step, blocks in profile:
             if blocks > capacity:
                 # It crosses after the last step seen within capacity: the earliest time.
-                exhaustion = self._seconds_until(below + 1 if step > 0 else 0, now, held)
+                exhaustion = self._running_clock(now, held).seconds_until(
+                    below + 1 if step > 0 else 0)
                 break
             below = step
         return Forecast(capacity, peak, exhaustion)

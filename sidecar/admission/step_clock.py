@@ -10,40 +10,61 @@ much as the batch shrinks (on the CPU test server, a step of 6 takes about twice
 1).
 
 Worked example: two requests running, one ending after step 3 and one after step 5
-(`spans` [(0, 4), (0, 6)]), a step of 2 taking 6 ms and of 1 taking 4 ms: the first 4
+(spans [(0, 4), (0, 6)]), a step of 2 taking 6 ms and of 1 taking 4 ms: the first 4
 steps take 6 ms each, the next 2 take 4 ms, so step 6 starts after 32 ms (36 ms if each
 step were priced at today's batch).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Iterable
 
 
-def seconds_until(step: float, spans: Iterable[tuple[int, int]],
-                  step_s: Callable[[int], float]) -> float:
-    """Seconds from now until engine step `step` starts (0: the next one), each step
-    lasting `step_s(batch)` of the requests running in it: a span (first step, the step
-    after its last) is one request running over those steps. A step with nothing
-    running is priced at a batch of 1. inf for an infinite `step`."""
-    if step <= 0:
-        return 0.0
-    if math.isinf(step):
-        return math.inf
-    changes: dict[int, int] = {}
-    for first, after in spans:
-        if after > first and first < step:
-            changes[first] = changes.get(first, 0) + 1
-            changes[after] = changes.get(after, 0) - 1
-    seconds = 0.0
-    batch = 0
-    at = 0.0
-    for change_at in sorted(changes):
-        if change_at >= step:
-            break
-        if change_at > at:
-            seconds += (change_at - at) * step_s(max(1, batch))
-            at = change_at
-        batch += changes[change_at]
-    return seconds + (step - at) * step_s(max(1, batch))
+class StepClock:
+    """When each engine step ahead starts. A span (first step, the step after its last)
+    is one request running over those steps; each step lasts `step_s(batch)` of the
+    requests running in it, one with nothing running that of a batch of 1. Built once
+    per set of spans (O(n log n)); each question is then O(log n)."""
+
+    __slots__ = ("_seconds", "_starts", "_step_s")
+
+    def __init__(self, spans: Iterable[tuple[int, int]],
+                 step_s: Callable[[int], float]) -> None:
+        changes: dict[int, int] = {}
+        for first, after in spans:
+            if after > first:
+                changes[first] = changes.get(first, 0) + 1
+                changes[after] = changes.get(after, 0) - 1
+        by_batch: dict[int, float] = {}
+
+        def priced(batch: int) -> float:
+            batch = max(1, batch)
+            if batch not in by_batch:
+                by_batch[batch] = step_s(batch)
+            return by_batch[batch]
+
+        # Pieces of constant batch: from each start on, that step time.
+        starts, seconds, times = [0], [0.0], []
+        batch = 0
+        for at in sorted(changes):
+            if at > starts[-1]:
+                times.append(priced(batch))
+                seconds.append(seconds[-1] + (at - starts[-1]) * times[-1])
+                starts.append(at)
+            batch += changes[at]
+        times.append(priced(batch))
+        self._starts = starts
+        self._seconds = seconds
+        self._step_s = times
+
+    def seconds_until(self, step: float) -> float:
+        """Seconds from now until engine step `step` starts (0: the next one; inf for an
+        infinite step)."""
+        if step <= 0:
+            return 0.0
+        if math.isinf(step):
+            return math.inf
+        piece = bisect.bisect_right(self._starts, step) - 1
+        return self._seconds[piece] + (step - self._starts[piece]) * self._step_s[piece]
