@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.admission import AdmissionRequest, CostModel
+from sidecar.admission import AdmissionRequest, CostModel, Ticket
 from sidecar.calibration.calibrator import LEARN_BURST, LEARN_PER_S
 from sidecar.calibration.sample import RateSample
+from sidecar.server.services import Services
 
 from support.admission_fixtures import FakeClock, tiny_served, wired_services
 
@@ -79,6 +80,18 @@ async def test_a_busy_server_calibrates_on_a_sample_and_its_metrics_count_all() 
     assert calibrator._own_since_scrape == 2 * taken + left_out
 
 
+def complete(services: Services, clock: FakeClock, *tickets: Ticket) -> None:
+    """Each of `tickets` streamed 8 tokens, its first after 50 ms, and was sent with
+    those before it running (the proxy's count includes itself)."""
+    for batch_at_start, ticket in enumerate(tickets, start=1):
+        started = clock()
+        ticket.finish(8)
+        services.observe_completion(
+            ticket, streamed=True, arrived_at=started, sent_at=started,
+            first_token_at=started + 0.05, ended_at=started + 0.1,
+            output_tokens=8, batch_at_start=batch_at_start)
+
+
 async def test_a_request_is_learned_beside_the_others_it_ran_with_not_itself(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The proxy's running count at sending includes the request itself; the prefill
@@ -96,13 +109,7 @@ async def test_a_request_is_learned_beside_the_others_it_ran_with_not_itself(
     assert first.cost.model_inputs is not None and first.cost.model_inputs.running == 0
     second = await services.controller.admit(AdmissionRequest(100, 8))
     assert second.cost.model_inputs is not None and second.cost.model_inputs.running == 1
-    for ticket, batch_at_start in ((first, 1), (second, 2)):  # as the proxy counts them
-        started = clock()
-        ticket.finish(8)
-        services.observe_completion(
-            ticket, streamed=True, arrived_at=started, sent_at=started,
-            first_token_at=started + 0.05, ended_at=started + 0.1,
-            output_tokens=8, batch_at_start=batch_at_start)
+    complete(services, clock, first, second)
     ahead = second.cost.model_inputs.ahead_tokens
     assert ahead == 100  # the first one's prompt, admitted and not yet prefilled
     assert seen == [(0, True), (1, False)]
@@ -132,13 +139,7 @@ async def test_under_a_long_prefill_threshold_a_prefill_is_learned_as_it_was_pri
     assert all(i is not None for i in inputs)
     steps = [i.ahead_steps for i in inputs if i is not None]
     assert steps[0] == 0 and steps[1] > 0  # the second shares steps with the first
-    for batch_at_start, ticket in enumerate((first, second, forked), start=1):
-        started = clock()
-        ticket.finish(8)
-        services.observe_completion(
-            ticket, streamed=True, arrived_at=started, sent_at=started,
-            first_token_at=started + 0.05, ended_at=started + 0.1,
-            output_tokens=8, batch_at_start=batch_at_start)
+    complete(services, clock, first, second, forked)
     assert [(capped, in_steps) for _, capped, in_steps in seen] == [
         (None, 0), (None, steps[1]), (True, steps[2])]
     # With its prompts ahead: their tokens and its own.
