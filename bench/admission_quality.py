@@ -1020,6 +1020,8 @@ class Bench:
             result.update(extra)
             result["kvgate_ledger_after_each_round"] = [run.extra.get("kvgate_ledger_after")
                                                         for run in runs]
+            result["kvgate_wait_ratio_after_each_round"] = [
+                run.extra.get("kvgate_wait_ratio_after") for run in runs]
         return {"config": runs[0].config, **result}
 
     @property
@@ -1075,7 +1077,12 @@ def kvgate_after(url: str) -> dict[str, Any]:
         if line.startswith("kvgate_requests_total{"):
             label = line.split('outcome="', 1)[1].split('"', 1)[0]
             outcomes[label] = float(line.rsplit(" ", 1)[1])
+    wait_ratio = (admission.get("queue") or {}).get("wait_ratio") or {}
     return {
+        # Observed / predicted queue wait of the queued requests let in (1.0 until
+        # enough are seen): how far the model's waits were from what requests waited.
+        "kvgate_wait_ratio_after": {"factor": wait_ratio.get("factor"),
+                                    "samples": wait_ratio.get("samples")},
         "kvgate_ledger_after": {
             "reserved_blocks": ledger.get("reserved_blocks"),
             "reservations": ledger.get("reservations"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import replace
 
 import pytest
@@ -23,11 +24,12 @@ from sidecar.admission import (
     Rejected,
     ServerState,
 )
-from sidecar.admission.forecast import Holding, holdings_peak, steps_until_room
+from sidecar.admission.forecast import Holding, RoomProfile, holdings_peak, steps_until_room
 from sidecar.admission.ledger import Ledger
 from sidecar.admission.prefix import PrefixPlan
 from sidecar.admission.queue import Entry
 from sidecar.admission.room import KVRoom, QueueWalk, RunningHoldings
+from sidecar.admission.server_queue import ServerQueueLimits
 from sidecar.admission.wait_ratio import MIN_SAMPLES
 from sidecar.model import ServedModel
 from sidecar.model.prefill_queue import PrefillBehind, prefill_behind
@@ -1056,7 +1058,7 @@ def test_predicted_wait_is_when_admission_would_let_the_request_in() -> None:
         # 27 blocks now and for its 40 steps: nothing of 12 blocks fits until it ends.
         blocker = loop.run_until_complete(admit(ctl, prompt_tokens=420, max_tokens=40))
         blocker.first_token()  # type: ignore[attr-defined]
-        step_s = ctl._step_s(clock(), 1)  # the blocker alone
+        step_s = ctl._step_pricer(clock())(1)  # the blocker alone
         with pytest.raises(Rejected) as late:
             loop.run_until_complete(admit(ctl, prompt_tokens=150, max_tokens=30,
                                           ttft_slo_s=1e-6))
@@ -1069,15 +1071,28 @@ def test_predicted_wait_is_when_admission_would_let_the_request_in() -> None:
         loop.close()
 
 
+def with_host_work_per_sequence(ctl: AdmissionController, seconds: float = 2e-3) -> None:
+    """Host work per sequence in a step (as on the CPU server): a larger batch steps
+    slower."""
+    served = ctl.cost_model.served
+    ctl.set_cost_model(CostModel(served.with_efficiency(
+        replace(served.efficiency, per_sequence_s=seconds))))
+
+
+def by_step_s(step: int, spans: list[tuple[int, int]], step_s: Callable[[int], float]
+              ) -> float:
+    """The time until `step`, summed step by step (each at the batch of the `spans`
+    covering it): the step clock's reference."""
+    return sum(step_s(max(1, sum(first <= s < after for first, after in spans)))
+               for s in range(step))
+
+
 def test_a_wait_gets_faster_steps_as_the_running_requests_finish() -> None:
     """A wait for room is counted in engine steps; each lasts as long as a step of the
     batch running then: after the short request ends, the long one steps alone."""
     clock = FakeClock()
     ctl = controller(num_blocks=41, clock=clock)  # target 38 blocks of 16 tokens
-    # Host work per sequence in a step (as on the CPU server): a step of 2 is slower.
-    served = ctl.cost_model.served
-    ctl.set_cost_model(CostModel(served.with_efficiency(
-        replace(served.efficiency, per_sequence_s=2e-3))))
+    with_host_work_per_sequence(ctl)
     loop = FakeClockLoop(clock)
     try:
         # 27 blocks for 40 steps and 6 for 10: 12 more fit only once both have ended.
@@ -1086,7 +1101,7 @@ def test_a_wait_gets_faster_steps_as_the_running_requests_finish() -> None:
         for ticket in (long, short):
             ticket.first_token()  # type: ignore[attr-defined]
         ends = sorted(h.end_steps for h in ctl._running_holdings(clock()).holdings)
-        alone_s, together_s = ctl._step_s(clock(), 1), ctl._step_s(clock(), 2)
+        alone_s, together_s = ctl._step_pricer(clock())(1), ctl._step_pricer(clock())(2)
         assert together_s > 1.2 * alone_s  # the premise: a batch of 2 steps slower
         with pytest.raises(Rejected) as late:
             loop.run_until_complete(admit(ctl, prompt_tokens=150, max_tokens=30,
@@ -1095,10 +1110,90 @@ def test_a_wait_gets_faster_steps_as_the_running_requests_finish() -> None:
         assert wait_s == pytest.approx(ends[0] * together_s + (ends[1] - ends[0]) * alone_s,
                                        abs=1e-6)  # the details keep 6 digits
         assert wait_s < ends[1] * together_s - (ends[1] - ends[0]) * (together_s - alone_s) / 2
+        # The running requests' expected ends (the metrics' forecast, the server's
+        # seats) on the same clock: the long one's last 30 steps are steps of 1.
+        finish_s = sorted(view.finish_in_s for view in ctl.running_requests())
+        assert finish_s[1] < 40 * together_s - 20 * (together_s - alone_s)
+        # A model that prices steps differently (recalibrated) prices the next wait anew.
+        with_host_work_per_sequence(ctl, 6e-3)
+        with pytest.raises(Rejected) as again:
+            loop.run_until_complete(admit(ctl, prompt_tokens=150, max_tokens=30,
+                                          ttft_slo_s=1e-6))
+        assert again.value.decision.details["model_wait_s"] > 1.5 * wait_s  # type: ignore[operator]
         for ticket in (long, short):
             ticket.finish()  # type: ignore[attr-defined]
     finally:
         loop.close()
+
+
+def test_a_wait_behind_queued_requests_counts_them_in_the_steps_they_run() -> None:
+    """Requests queued ahead are let in as room frees; from then on they are in the
+    batch, and the steps of the wait behind them are slower for it."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_wait_s=1e6))
+    with_host_work_per_sequence(ctl)
+    loop = FakeClockLoop(clock)  # target 38 blocks of 16 tokens
+    try:
+        long = loop.run_until_complete(admit(ctl, prompt_tokens=240, max_tokens=100))
+        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=10))
+        for ticket in (long, blocker):
+            ticket.first_token()  # type: ignore[attr-defined]
+        queued = [loop.create_task(admit(ctl, prompt_tokens=80, max_tokens=8))
+                  for _ in range(3)]
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(ctl.queue) == 3
+        with pytest.raises(Rejected) as late:
+            loop.run_until_complete(admit(ctl, prompt_tokens=40, max_tokens=8,
+                                          ttft_slo_s=1e-6))
+        wait_s = late.value.decision.details["model_wait_s"]
+        # Where the walk let the three in, and the step the newcomer follows them at.
+        memo = ctl._walk_memo
+        assert memo is not None and memo[2] is not None and memo[2].walk is not None
+        walk = memo[2].walk.copy()
+        step = int(walk.steps_until_admitted(ctl.room.queued(
+            AdmissionRequest(40, 8), ctl._cost(AdmissionRequest(40, 8), PrefixPlan.none())),
+            ctl.ledger.target_blocks))
+        spans = walk.spans[:3]
+        assert len({first for first, _ in spans}) > 1  # let in at different steps
+        running = [(0, h.end_steps) for h in ctl._running_holdings(clock()).holdings]
+        step_s = ctl._step_pricer(clock())
+        assert wait_s == pytest.approx(by_step_s(step, running + spans, step_s), abs=1e-6)
+        assert wait_s > by_step_s(step, running, step_s) + 1e-3  # not the running alone
+        blocker.finish()  # type: ignore[attr-defined]
+        for _ in range(5):
+            loop.run_until_complete(asyncio.sleep(0))
+        for task in queued:
+            if task.done() and not getattr(task.result(), "finished", False):
+                task.result().finish()
+        long.finish()  # type: ignore[attr-defined]
+        for _ in range(5):
+            loop.run_until_complete(asyncio.sleep(0))
+        for task in queued:
+            if not getattr(task.result(), "finished", False):
+                task.result().finish()
+    finally:
+        loop.close()
+
+
+def test_steps_are_priced_at_most_at_the_servers_max_num_seqs() -> None:
+    """A batch the server never runs (more than its --max-num-seqs: the rest wait in
+    its queue) is priced as its largest."""
+    ctl = controller(server_limits=ServerQueueLimits(max_running=2))
+    with_host_work_per_sequence(ctl)
+    step_s = ctl._step_pricer(ctl.clock())
+    assert step_s(5) == step_s(2) > step_s(1)
+
+
+def test_the_walk_of_the_queue_keeps_the_steps_each_request_runs() -> None:
+    """`QueueWalk.spans`: from the step each is let in to the step after its last."""
+    first = Holding(10, 0, 10, end_steps=5)
+    second = Holding(10, 0, 10, end_steps=3)
+    roomy = QueueWalk(RoomProfile.of([]))
+    assert roomy.admit_all([first, second], 20)
+    assert roomy.spans == [(0, 5), (0, 3)]
+    tight = QueueWalk(RoomProfile.of([]))  # room for one at a time
+    assert tight.admit_all([first, second], 15)
+    assert tight.spans == [(0, 5), (5, 8)]
 
 
 def test_a_wait_behind_short_queued_requests_is_their_turnover_not_the_longest_run() -> None:
@@ -1119,7 +1214,7 @@ def test_a_wait_behind_short_queued_requests_is_their_turnover_not_the_longest_r
                   for _ in range(3)]
         loop.run_until_complete(asyncio.sleep(0))
         assert len(ctl.queue) == 3
-        step_s = ctl._step_s(clock(), 2)  # the blocker and the long one
+        step_s = ctl._step_pricer(clock())(2)  # the blocker and the long one
         with pytest.raises(Rejected) as late:
             loop.run_until_complete(admit(ctl, prompt_tokens=40, max_tokens=8,
                                           ttft_slo_s=1e-6))
@@ -1190,7 +1285,7 @@ def test_queue_waits_are_corrected_by_the_waits_requests_then_had() -> None:
             loop.run_until_complete(asyncio.sleep(0))
             assert len(ctl.queue) == 1
             # The blocker's client leaves after a quarter of the predicted wait.
-            clock.advance(ctl._step_s(clock(), 1) * 41 / 4)
+            clock.advance(ctl._step_pricer(clock())(1) * 41 / 4)
             blocker.finish()  # type: ignore[attr-defined]
             loop.run_until_complete(asyncio.sleep(0))
             waiting.result().finish()

@@ -138,9 +138,11 @@ async def test_under_a_long_prefill_threshold_a_prefill_is_learned_as_it_was_pri
     inputs = [t.cost.model_inputs for t in (first, second, forked)]
     assert all(i is not None for i in inputs)
     steps = [i.ahead_steps for i in inputs if i is not None]
-    assert steps[0] == 0 and steps[1] > 0  # the second shares steps with the first
+    assert steps[0] == 0 and steps[1] > 0 and steps[2] > 0  # the later ones share steps
     complete(services, clock, first, second, forked)
     assert [(capped, in_steps) for _, capped, in_steps in seen] == [
         (None, 0), (None, steps[1]), (True, steps[2])]
     # With its prompts ahead: their tokens and its own.
-    assert seen[1][0] == 190 + inputs[1].ahead_tokens  # type: ignore[union-attr]
+    assert [tokens for tokens, _, _ in seen] == [
+        i.prefilled_tokens + i.ahead_tokens for i in inputs if i is not None]
+    assert seen[1][0] == 190 + inputs[1].ahead_tokens > 190  # type: ignore[union-attr]

@@ -37,7 +37,7 @@ import heapq
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Protocol, cast
@@ -53,7 +53,7 @@ from sidecar.admission.forecast import (
     kv_forecast,
 )
 from sidecar.admission.ledger import Ledger
-from sidecar.admission.load import PrefillLoad
+from sidecar.admission.load import PrefillLoad, slowdown_at
 from sidecar.admission.outcomes import Decision, Detail, Outcome, Rejected
 from sidecar.admission.output_policy import LearnedQuantile, OutputReservation, WorstCase
 from sidecar.admission.policies import (
@@ -161,7 +161,7 @@ class _QueueAhead:
 
     walk: QueueWalk | None  # None: one of them never fits
     blocks: int  # their reserved peaks together
-    clock: StepClock  # the steps ahead, with them let in as the walk lets them
+    clock: StepClock | None  # the steps ahead, with them let in as the walk lets them
 
 
 class AdmissionController:
@@ -283,6 +283,8 @@ class AdmissionController:
         self.sharing.set_layout(cost_model.served.layout, deployment.drops_last_prefix_hit,
                                 deployment.long_prefill_token_threshold)
         self.room.set_cost_model(cost_model)
+        # Waits priced with the old model are not kept (nor the holdings they are of).
+        self._clock_memo = self._walk_memo = self._room_cache = None
         self.update_server(self.server)
 
     def set_prefix_caching(self, enabled: bool) -> None:
@@ -496,26 +498,39 @@ class AdmissionController:
             self._room_cache = cached
         return cached[2]
 
-    def _step_s(self, now: float, batch: int) -> float:
-        """Predicted time of one engine step of `batch` requests."""
-        batch = max(1, batch)
-        return self.cost_model.tpot_s(batch, self._mean_context()) * (
-            self.prefill_load.slowdown(now, batch - 1))
+    def _step_pricer(self, now: float) -> Callable[[int], float]:
+        """The predicted time of one engine step of a batch of requests, now: at the
+        running requests' mean context and the recent prefill load, for at most the
+        server's --max-num-seqs (when told: the rest wait in its queue)."""
+        context = self._mean_context()
+        utilisation = self.prefill_load.utilisation(now)
+        most = self.settings.server_limits.max_running
+        tpot_s = self.cost_model.tpot_s
 
-    def _step_clock(self, now: float, running: RunningHoldings,
-                    admitted: Sequence[tuple[int, int]] = ()) -> StepClock:
-        """When each engine step ahead starts, each as long as a step of the batch then:
-        the running requests until their last steps, plus `admitted` (spans of requests
-        queued ahead, from the step they are let in: `QueueWalk.spans`)."""
-        spans = [(0, h.end_steps) for h in running.holdings]
-        spans.extend(admitted)
-        return StepClock(spans, lambda batch: self._step_s(now, batch))
+        def step_s(batch: int) -> float:
+            batch = max(1, batch if most is None else min(batch, most))
+            return tpot_s(batch, context) * slowdown_at(utilisation, batch - 1)
+
+        return step_s
+
+    def _step_clock(self, now: float, spans: Iterable[tuple[int, int]]) -> StepClock:
+        """When each engine step ahead starts, each as long as a step of the batch then
+        (`spans`: when each request runs, `StepClock`)."""
+        return StepClock(spans, self._step_pricer(now))
+
+    def _holdings_clock(self, now: float, running: RunningHoldings,
+                        admitted: Sequence[tuple[int, int]] = ()) -> StepClock:
+        """`_step_clock` of the running requests until the last step of their reserved
+        output, plus `admitted` (requests queued ahead, from the step they are let in:
+        `QueueWalk.spans`)."""
+        return self._step_clock(now, [*((0, h.end_steps) for h in running.holdings),
+                                      *admitted])
 
     def _running_clock(self, now: float, running: RunningHoldings) -> StepClock:
         """`_step_clock` of the running requests alone, kept with their holdings."""
         memo = self._clock_memo
         if memo is None or memo[0] is not running:
-            memo = self._clock_memo = (running, self._step_clock(now, running))
+            memo = self._clock_memo = (running, self._holdings_clock(now, running))
         return memo[1]
 
     def _kv_wait_s(self, request: AdmissionRequest, cost: RequestCost, band: int,
@@ -532,27 +547,29 @@ class AdmissionController:
         running = self._running_holdings(now)
         target = self.ledger.target_blocks
         deadline = None if request.ttft_slo_s is None else now + request.ttft_slo_s
-        ahead = self._queue_ahead(running, band, request.tenant, target,
+        ahead = self._queue_ahead(now, running, band, request.tenant, target,
                                   self.queue.newcomer_key(deadline))
         if plan is None:
             plan = self._plan(request)
         charge = self._charge(plan, cost)
+        clock = None
         if ahead is None:
             if len(running.tickets) <= _EXACT_WAIT_RUNNING:
                 steps = self.room.steps_until_fits(running, request, cost, plan, target)
             else:
                 steps = self.room.steps_until_room(running, charge, target)
-            clock = self._running_clock(now, running)
         else:
             steps = math.inf if ahead.walk is None else ahead.walk.copy().steps_until_admitted(
                 self.room.queued(request, cost), target)
             charge += ahead.blocks
             clock = ahead.clock
+        if steps <= 0:
+            return 0.0
         if math.isfinite(steps):
-            return clock.seconds_until(steps)
+            return (clock or self._running_clock(now, running)).seconds_until(steps)
         return self._unexplained_wait_s(running, charge, now)
 
-    def _queue_ahead(self, running: RunningHoldings, band: int, tenant: str,
+    def _queue_ahead(self, now: float, running: RunningHoldings, band: int, tenant: str,
                      target: int, order: tuple[float, int]) -> _QueueAhead | None:
         """The requests queued ahead of a newcomer of `tenant` in `band` with the
         ordering key `order`, walked through the room in turn (`QueueWalk`); None when
@@ -571,7 +588,8 @@ class AdmissionController:
             fits = walk.admit_all([waiter.holding for waiter in queued], target)
             ahead = _QueueAhead(walk if fits else None,
                                 sum(waiter.cost.kv_blocks for waiter in queued),
-                                self._step_clock(self.clock(), running, walk.spans))
+                                self._holdings_clock(now, running, walk.spans) if fits
+                                else None)
         self._walk_memo = (key, running, ahead)
         return ahead
 
@@ -961,18 +979,21 @@ class AdmissionController:
         return max(ticket.output_tokens + 1, min(reserved, typical))
 
     def running_requests(self) -> list[RunningRequest]:
+        """Each running request as it is expected to end (its expected output, not its
+        reservation): its decode steps left priced by the step clock of all of them
+        (the batch shrinks as they finish), after its first token."""
         now = self.clock()
-        batch = max(1, len(self._running))
-        tpot = self.cost_model.tpot_s(batch, self._mean_context()) * self.prefill_load.slowdown(
-            now, batch - 1)
-        views = []
+        ends = []
         for ticket in self._running:
-            request = ticket.request
             progress = self._server_progress(ticket, now)
             expected = max(self._expected_output(ticket), progress)
             started = ticket.first_token_s or (ticket.admitted_s + ticket.cost.prefill_s)
-            remaining = max(0, expected - progress)
-            finish_in = max(0.0, started - now) + remaining * tpot
+            ends.append((progress, expected, max(0.0, started - now)))
+        clock = self._step_clock(now, [(0, expected - progress)
+                                       for progress, expected, _ in ends])
+        views = []
+        for ticket, (progress, expected, first_in_s) in zip(self._running, ends, strict=True):
+            request = ticket.request
             shared = ticket.cost.shared_blocks
             views.append(RunningRequest(
                 blocks_now=max(0, self._blocks_now(ticket, progress) - shared),
@@ -980,7 +1001,7 @@ class AdmissionController:
                     request.prompt_tokens, max(1, expected), request.sequences,
                     forks_share=request.forks_share) - shared),
                 blocks_reserved=ticket.reserved_blocks,
-                finish_in_s=finish_in,
+                finish_in_s=first_in_s + clock.seconds_until(expected - progress),
             ))
         return views
 

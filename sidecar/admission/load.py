@@ -51,5 +51,10 @@ class PrefillLoad:
     def slowdown(self, now: float, others: int) -> float:
         """The factor 1 / (1 - rho') by which the prefills of `others` concurrent
         requests stretch one request's work."""
-        share = others / (others + 1) if others > 0 else 0.0
-        return 1.0 / (1.0 - self.utilisation(now) * share)
+        return slowdown_at(self.utilisation(now), others)
+
+
+def slowdown_at(utilisation: float, others: int) -> float:
+    """`PrefillLoad.slowdown` at a known `utilisation` (rho)."""
+    share = others / (others + 1) if others > 0 else 0.0
+    return 1.0 / (1.0 - utilisation * share)

@@ -46,7 +46,9 @@ class StepClock:
             return by_batch[batch]
 
         # Pieces of constant batch: from each start on, that step time.
-        starts, seconds, times = [0], [0.0], []
+        starts: list[int] = [0]
+        seconds: list[float] = [0.0]
+        times: list[float] = []
         batch = 0
         for at in sorted(changes):
             if at > starts[-1]:
@@ -62,7 +64,7 @@ class StepClock:
     def seconds_until(self, step: float) -> float:
         """Seconds from now until engine step `step` starts (0: the next one; inf for an
         infinite step)."""
-        if step <= 0:
+        if not step > 0:  # also NaN
             return 0.0
         if math.isinf(step):
             return math.inf
