@@ -6,8 +6,7 @@ is a number of steps; what it lasts depends on the batch of each of them. A step
 requests takes longer than a step of 3 (more KV read, more tokens through the layers),
 and while a request waits for room, the running ones finish one after another: the
 steps get shorter. Pricing every step at today's batch makes the wait too long by as
-much as the batch shrinks (on the CPU test server, a step of 6 takes about twice one of
-1).
+much as the batch shrinks (and too short where requests queued ahead join it).
 
 Worked example: two requests running, one ending after step 3 and one after step 5
 (spans [(0, 4), (0, 6)]), a step of 2 taking 6 ms and of 1 taking 4 ms: the first 4
