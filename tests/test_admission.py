@@ -1126,22 +1126,44 @@ def test_a_wait_gets_faster_steps_as_the_running_requests_finish() -> None:
         loop.close()
 
 
+def three_queued_behind_a_blocker(ctl: AdmissionController, loop: FakeClockLoop
+                                  ) -> tuple[object, object, list[asyncio.Task[object]]]:
+    """On a target of 38 blocks of 16 tokens: a long request (15 blocks growing to 22
+    over 100 steps), a blocker beside it (20 blocks for 10 steps), and three requests of
+    6 blocks queued: two fit beside the long one once the blocker has ended."""
+    long = loop.run_until_complete(admit(ctl, prompt_tokens=240, max_tokens=100))
+    blocker = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=10))
+    for ticket in (long, blocker):
+        ticket.first_token()  # type: ignore[attr-defined]
+    queued = [loop.create_task(admit(ctl, prompt_tokens=80, max_tokens=8)) for _ in range(3)]
+    loop.run_until_complete(asyncio.sleep(0))
+    assert len(ctl.queue) == 3
+    return long, blocker, queued
+
+
+def release(loop: FakeClockLoop, long: object, blocker: object,
+            queued: list[asyncio.Task[object]]) -> None:
+    """`three_queued_behind_a_blocker`'s requests, each finished once."""
+    blocker.finish()  # type: ignore[attr-defined]
+    for _ in range(5):
+        loop.run_until_complete(asyncio.sleep(0))
+    long.finish()  # type: ignore[attr-defined]
+    for _ in range(5):
+        loop.run_until_complete(asyncio.sleep(0))
+    for task in queued:
+        if not getattr(task.result(), "finished", False):
+            task.result().finish()  # type: ignore[attr-defined]
+
+
 def test_a_wait_behind_queued_requests_counts_them_in_the_steps_they_run() -> None:
     """Requests queued ahead are let in as room frees; from then on they are in the
     batch, and the steps of the wait behind them are slower for it."""
     clock = FakeClock()
     ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_wait_s=1e6))
     with_host_work_per_sequence(ctl)
-    loop = FakeClockLoop(clock)  # target 38 blocks of 16 tokens
+    loop = FakeClockLoop(clock)
     try:
-        long = loop.run_until_complete(admit(ctl, prompt_tokens=240, max_tokens=100))
-        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=10))
-        for ticket in (long, blocker):
-            ticket.first_token()  # type: ignore[attr-defined]
-        queued = [loop.create_task(admit(ctl, prompt_tokens=80, max_tokens=8))
-                  for _ in range(3)]
-        loop.run_until_complete(asyncio.sleep(0))
-        assert len(ctl.queue) == 3
+        long, blocker, queued = three_queued_behind_a_blocker(ctl, loop)
         with pytest.raises(Rejected) as late:
             loop.run_until_complete(admit(ctl, prompt_tokens=40, max_tokens=8,
                                           ttft_slo_s=1e-6))
@@ -1159,18 +1181,7 @@ def test_a_wait_behind_queued_requests_counts_them_in_the_steps_they_run() -> No
         step_s = ctl._step_pricer(clock())
         assert wait_s == pytest.approx(by_step_s(step, running + spans, step_s), abs=1e-6)
         assert wait_s > by_step_s(step, running, step_s) + 1e-3  # not the running alone
-        blocker.finish()  # type: ignore[attr-defined]
-        for _ in range(5):
-            loop.run_until_complete(asyncio.sleep(0))
-        for task in queued:
-            if task.done() and not getattr(task.result(), "finished", False):
-                task.result().finish()
-        long.finish()  # type: ignore[attr-defined]
-        for _ in range(5):
-            loop.run_until_complete(asyncio.sleep(0))
-        for task in queued:
-            if not getattr(task.result(), "finished", False):
-                task.result().finish()
+        release(loop, long, blocker, queued)
     finally:
         loop.close()
 
@@ -1202,18 +1213,9 @@ def test_a_wait_behind_short_queued_requests_is_their_turnover_not_the_longest_r
     only once a long request running alongside has ended)."""
     clock = FakeClock()
     ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_wait_s=1e6))
-    loop = FakeClockLoop(clock)  # target 38 blocks of 16 tokens
+    loop = FakeClockLoop(clock)
     try:
-        # 15 blocks growing to 22 over 100 steps; beside it 20 blocks for 10 steps.
-        long = loop.run_until_complete(admit(ctl, prompt_tokens=240, max_tokens=100))
-        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=10))
-        for ticket in (long, blocker):
-            ticket.first_token()  # type: ignore[attr-defined]
-        # Three of 6 blocks: two fit beside the long one once the blocker has ended.
-        queued = [loop.create_task(admit(ctl, prompt_tokens=80, max_tokens=8))
-                  for _ in range(3)]
-        loop.run_until_complete(asyncio.sleep(0))
-        assert len(ctl.queue) == 3
+        long, blocker, queued = three_queued_behind_a_blocker(ctl, loop)
         step_s = ctl._step_pricer(clock())(2)  # the blocker and the long one
         with pytest.raises(Rejected) as late:
             loop.run_until_complete(admit(ctl, prompt_tokens=40, max_tokens=8,
@@ -1222,17 +1224,7 @@ def test_a_wait_behind_short_queued_requests_is_their_turnover_not_the_longest_r
         # The blocker's end (11 steps), then the first queued one's (about 10 more);
         # all four fit at once only after the long request (100 steps).
         assert 20 <= waited_steps <= 30, waited_steps
-        blocker.finish()  # type: ignore[attr-defined]
-        loop.run_until_complete(asyncio.sleep(0))
-        for task in queued:
-            if task.done():
-                task.result().finish()
-        for _ in range(5):
-            loop.run_until_complete(asyncio.sleep(0))
-        for task in queued:
-            if not getattr(task.result(), "finished", False):
-                task.result().finish()
-        long.finish()  # type: ignore[attr-defined]
+        release(loop, long, blocker, queued)
     finally:
         loop.close()
 
