@@ -1002,22 +1002,54 @@ def test_holdings_peak_and_room_match_a_step_by_step_count(
         assert first in fits_from
 
 
+@given(holdings=holdings_st, base=st.floats(0, 10), first=st.integers(0, 70),
+       steps=st.integers(1, 70))
+def test_the_most_held_over_some_steps_bounds_a_step_by_step_count(
+        holdings: list[Holding], base: float, first: int, steps: int) -> None:
+    """`RoomProfile.most_over`: never less than the sum at any step of the window, the
+    sum itself where the window ends at a request's last step or covers the peak, and
+    no less until the step it says it may fall from."""
+    def total(step: int) -> float:
+        return base + sum(h.at(step) for h in holdings)
+
+    profile = RoomProfile.of(holdings, base)
+    last = first + steps - 1
+    most, falls_from = profile.most_over(first, last)
+    exact = max(total(k) for k in range(first, last + 1))
+    assert most >= exact - 1e-6
+    if last in {h.end_steps - 1 for h in holdings} or exact == pytest.approx(
+            holdings_peak(holdings, base), abs=1e-9):
+        assert most == pytest.approx(exact, abs=1e-6)
+    # A window from a step before the one it may fall from, as long or longer, holds
+    # at least as much.
+    if falls_from is None:
+        assert most == pytest.approx(base, abs=1e-9)
+    else:
+        for later in range(first, falls_from):
+            assert profile.most_over(later, last + later - first)[0] >= most - 1e-9
+
+
 @given(running=holdings_st, queued=holdings_st, base=st.floats(0, 10),
-       limit=st.floats(0, 150))
+       limit=st.floats(0, 150),
+       latest=st.lists(st.one_of(st.just(math.inf), st.floats(0, 80)), max_size=8))
 def test_the_wait_behind_queued_requests_matches_a_step_by_step_replay(
-        running: list[Holding], queued: list[Holding], base: float, limit: float) -> None:
+        running: list[Holding], queued: list[Holding], base: float, limit: float,
+        latest: list[float]) -> None:
     """Each queued request (then the newcomer, the last) starts at the first step, not
     before the one ahead of it, from which its peak fits beside the running requests
     and those started before it (each holding its peak until its last step) at every
-    step after: replayed step by step, it starts no later than predicted, and at the
-    predicted step it fits."""
+    step until its own last: replayed step by step, it starts no later than predicted, and at the
+    predicted step it fits. One that would start after its latest step is refused
+    there: it holds nothing, and the next one waits for it until then at most (the
+    replay on the profile, as the walk counts)."""
     held = RunningHoldings((), tuple(running), base, 0)
     *ahead, mine = queued or [Holding(1.0, 0.0, 1.0, 1)]
     walk = QueueWalk(held.profile)
-    predicted = (walk.steps_until_admitted(mine, limit) if walk.admit_all(ahead, limit)
-                 else float("inf"))
+    predicted = (walk.steps_until_admitted(mine, limit)
+                 if walk.admit_all(ahead, limit, latest) else float("inf"))
     horizon = (max((h.end_steps for h in running), default=0)
-               + sum(max(1, h.end_steps) for h in queued) + 2)
+               + sum(max(1, h.end_steps) for h in queued) + 2
+               + max((math.ceil(step) for step in latest if step < math.inf), default=0))
 
     def total(step: int, started: list[tuple[int, Holding]]) -> float:
         return (base + sum(h.at(step) for h in running)
@@ -1025,27 +1057,40 @@ def test_the_wait_behind_queued_requests_matches_a_step_by_step_replay(
 
     def fits(step: int, holding: Holding, started: list[tuple[int, Holding]]) -> bool:
         return all(total(k, started) + holding.cap_blocks <= limit + 1e-9
-                   for k in range(step, horizon))
+                   for k in range(step, step + max(1, holding.end_steps)))
 
     def replay(exact: bool) -> float:
         started: list[tuple[int, Holding]] = []
         step = 0
-        for holding in (*ahead, mine):
-            # The prediction bounds the running requests by their profile (the most
-            # they hold from each one's last step on), never less than they hold.
-            while not (fits(step, holding, started) if exact
-                       else held.profile.most_from(step)[0] + sum(
-                           h.cap_blocks for at, h in started
-                           if at <= step < at + max(1, h.end_steps))
+        for index, holding in enumerate((*ahead, mine)):
+            last = latest[index] if index < min(len(ahead), len(latest)) else math.inf
+            start = step
+            # The prediction bounds the running requests by their profile at each
+            # step, never less than they hold, and those started before by what they
+            # hold at its start.
+            while not (fits(start, holding, started) if exact
+                       else max(held.profile.most_over(k, k)[0]
+                                for k in range(start, start + max(1, holding.end_steps)))
+                       + sum(h.cap_blocks for at, h in started
+                             if at <= start < at + max(1, h.end_steps))
                        + holding.cap_blocks <= limit + 1e-9):
-                step += 1
-                if step > horizon:
-                    return float("inf")
+                start += 1
+                if start > min(horizon, last):
+                    break  # past its latest step, or never fits
+            if start > last or (start > horizon and last < math.inf):
+                step = max(step, math.ceil(last))  # refused at its latest step
+                continue
+            if start > horizon:
+                return float("inf")
+            step = start
             started.append((step, holding))
         return float(step)
 
     assert predicted == replay(exact=False)
-    assert predicted >= replay(exact=True)
+    if all(step == math.inf for step in latest[:len(ahead)]):
+        # A bound only when nobody is refused: one the profile lets in after its
+        # latest step may find room sooner, get in and hold it.
+        assert predicted >= replay(exact=True)
 
 
 def test_predicted_wait_is_when_admission_would_let_the_request_in() -> None:
@@ -1130,12 +1175,13 @@ def three_queued_behind_a_blocker(ctl: AdmissionController, loop: FakeClockLoop
                                   ) -> tuple[object, object, list[asyncio.Task[object]]]:
     """On a target of 38 blocks of 16 tokens: a long request (15 blocks growing to 22
     over 100 steps), a blocker beside it (20 blocks for 10 steps), and three requests of
-    6 blocks queued: two fit beside the long one once the blocker has ended."""
+    8 blocks for 8 steps queued: two fit beside the long one once the blocker has ended,
+    the third once they have."""
     long = loop.run_until_complete(admit(ctl, prompt_tokens=240, max_tokens=100))
     blocker = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=10))
     for ticket in (long, blocker):
         ticket.first_token()  # type: ignore[attr-defined]
-    queued = [loop.create_task(admit(ctl, prompt_tokens=80, max_tokens=8)) for _ in range(3)]
+    queued = [loop.create_task(admit(ctl, prompt_tokens=112, max_tokens=8)) for _ in range(3)]
     loop.run_until_complete(asyncio.sleep(0))
     assert len(ctl.queue) == 3
     return long, blocker, queued
@@ -1207,6 +1253,28 @@ def test_the_walk_of_the_queue_keeps_the_steps_each_request_runs() -> None:
     assert tight.spans == [(0, 5), (5, 8)]
 
 
+def test_the_walk_passes_over_a_request_the_queue_refuses_before_room_comes() -> None:
+    """Room for one at a time: the first runs for 5 steps. The second could start only
+    then, after its latest step (3): it is refused at step 3 and holds nothing, and the
+    third starts when the first ends, not after the second."""
+    first = Holding(10, 0, 10, end_steps=5)
+    refused = Holding(10, 0, 10, end_steps=20)
+    third = Holding(10, 0, 10, end_steps=3)
+    walk = QueueWalk(RoomProfile.of([]))
+    assert walk.admit_all([first, refused, third], 15, [math.inf, 3.0])
+    assert walk.spans == [(0, 5), (5, 8)]
+    # With a later latest step it is let in, and the third waits for it.
+    kept = QueueWalk(RoomProfile.of([]))
+    assert kept.admit_all([first, refused, third], 15, [math.inf, 5.0])
+    assert kept.spans == [(0, 5), (5, 25), (25, 28)]
+    # One that never fits is refused at its latest step; those behind start from then.
+    huge = Holding(100, 0, 100, end_steps=1)
+    never = QueueWalk(RoomProfile.of([]))
+    assert never.admit_all([huge, third], 15, [7.5])
+    assert never.spans == [(8, 11)]
+    assert not QueueWalk(RoomProfile.of([])).admit_all([huge, third], 15)
+
+
 def test_a_wait_behind_short_queued_requests_is_their_turnover_not_the_longest_run() -> None:
     """Requests queued ahead are admitted in turn as room frees and leave when they
     finish: the wait behind them is not the time until all of them fit at once (here:
@@ -1221,8 +1289,8 @@ def test_a_wait_behind_short_queued_requests_is_their_turnover_not_the_longest_r
             loop.run_until_complete(admit(ctl, prompt_tokens=40, max_tokens=8,
                                           ttft_slo_s=1e-6))
         waited_steps = late.value.decision.details["model_wait_s"] / step_s  # type: ignore[operator]
-        # The blocker's end (11 steps), then the first queued one's (about 10 more);
-        # all four fit at once only after the long request (100 steps).
+        # The blocker's end (11 steps), then the first two queued ones' (8 more); all
+        # four fit at once only after the long request (100 steps).
         assert 20 <= waited_steps <= 30, waited_steps
         release(loop, long, blocker, queued)
     finally:
@@ -1297,6 +1365,51 @@ def test_queue_waits_are_corrected_by_the_waits_requests_then_had() -> None:
         loop.close()
 
 
+def test_a_queued_request_that_will_be_refused_holds_no_room_in_the_wait_behind_it() -> None:
+    """A low-priority request queued for room after a blocker; then a high-priority one
+    goes ahead of it and holds the room until long after its target. The queue will
+    refuse it at its target: a newcomer behind it waits for that refusal, not for room
+    for it after the high-priority one."""
+    clock = FakeClock()
+    ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_wait_s=1e6))
+    loop = FakeClockLoop(clock)
+    try:
+        # On a target of 38 blocks: a blocker of 20 blocks for 10 steps.
+        blocker = loop.run_until_complete(admit(ctl, prompt_tokens=300, max_tokens=10))
+        blocker.first_token()  # type: ignore[attr-defined]
+        step_s = ctl._step_pricer(clock())(1)
+        prefill_s = ctl.cost_model.cost(300, 8).prefill_s
+        # 20 blocks, let in once the blocker ends (about 11 steps): its target leaves 25.
+        low = loop.create_task(admit(ctl, prompt_tokens=300, max_tokens=8, band=2,
+                                     ttft_slo_s=prefill_s + 25 * step_s))
+        # 30 blocks for 60 steps, ahead of it: nothing else of 20 blocks fits until it
+        # ends (about step 72).
+        high = loop.create_task(admit(ctl, prompt_tokens=420, max_tokens=60, band=0))
+        loop.run_until_complete(asyncio.sleep(0))
+        assert len(ctl.queue) == 2
+        entry = next(e for e in ctl.queue.ahead_of(2, "default") if e.band == 2)
+        until_refused_s = (entry.deadline_s - clock()  # type: ignore[operator]
+                           - entry.payload.cost.deadline_prefill_s)
+        # A newcomer of 1 block fits beside the high-priority one.
+        with pytest.raises(Rejected) as late:
+            loop.run_until_complete(admit(ctl, prompt_tokens=10, max_tokens=6, band=2,
+                                          ttft_slo_s=1e-6))
+        wait_s = late.value.decision.details["model_wait_s"]
+        assert until_refused_s <= wait_s < until_refused_s + 2 * step_s  # type: ignore[operator]
+        assert wait_s < 60 * step_s  # type: ignore[operator]
+        # And the queue refuses it so: room for it comes only after its target.
+        blocker.finish()  # type: ignore[attr-defined]
+        loop.run_until_complete(asyncio.sleep(0))
+        assert high.done() and not low.done()
+        clock.advance(until_refused_s)
+        with pytest.raises(Rejected) as refused:
+            loop.run_until_complete(low)
+        assert refused.value.decision.outcome is Outcome.DEADLINE
+        high.result().finish()  # type: ignore[attr-defined]
+    finally:
+        loop.close()
+
+
 @pytest.mark.parametrize("fairness", ["cost", "none"])
 def test_the_entries_ahead_of_a_newcomer_are_those_the_queue_takes_first(
         fairness: str) -> None:
@@ -1327,6 +1440,23 @@ def test_the_entries_ahead_of_a_newcomer_are_those_the_queue_takes_first(
             break
     assert set(order[:-1]) == ahead
     assert len(pushed) == 6
+
+
+def test_the_entries_ahead_come_in_the_order_the_queue_serves_them() -> None:
+    """The walk of the queue lets them in in this order: the more important bands
+    first, whenever their requests came, and each tenant's in its own order."""
+    from sidecar.admission.policies import FAIRNESS, ORDERINGS, StrictPriority
+    from sidecar.admission.queue import AdmissionQueue, Entry
+
+    queue = AdmissionQueue(ORDERINGS["edf"](), FAIRNESS["none"](), StrictPriority(None))
+    for i, (band, deadline, name) in enumerate([
+            (2, 30.0, "low-30"), (1, 3.0, "mine-3"), (1, 1.0, "mine-1"), (1, 2.0, "mine-2"),
+            (0, 9.0, "vip-9"), (0, 8.0, "vip-8")]):
+        queue.push(Entry(float(i), band, "mine", 1, 1.0, deadline_s=deadline, payload=name))
+    ahead = [entry.payload for entry in queue.ahead_of(2, "mine")]
+    assert ahead == ["vip-8", "vip-9", "mine-1", "mine-2", "mine-3", "low-30"]
+    served = [entry.payload for entry in iter(lambda: queue.pop(0.0), None)]
+    assert served == ahead
 
 
 def test_the_wait_for_room_is_the_first_start_that_fits_not_a_later_one() -> None:

@@ -58,3 +58,28 @@ def test_equals_the_sum_over_each_step(spans: list[tuple[int, int]], step: int) 
     by_step = sum(step_s(max(1, sum(first <= s < after for first, after in spans)))
                   for s in range(step))
     assert seconds_until(step, spans, step_s) == pytest.approx(by_step)
+
+
+def test_the_step_running_at_a_time_is_the_inverse() -> None:
+    """The worked example: 24 s in, step 4 starts; 2 s into a step of 4 s, half of it is
+    done; past the last request the steps are priced at a batch of one."""
+    clock = StepClock([(0, 4), (0, 6)], STEP_S.__getitem__)
+    assert clock.step_at(24.0) == 4.0
+    assert clock.step_at(26.0) == 4.5
+    assert clock.step_at(3.0) == 0.5
+    assert clock.step_at(32.0 + 8.0) == 8.0
+    assert clock.step_at(0.0) == clock.step_at(-1.0) == 0.0
+    assert clock.step_at(math.inf) == math.inf
+
+
+@given(st.lists(st.tuples(st.integers(0, 30), st.integers(0, 40)), max_size=4),
+       st.floats(0, 200))
+def test_the_step_at_a_time_starts_within_it(spans: list[tuple[int, int]],
+                                             seconds: float) -> None:
+    """`seconds_until(step_at(s))` is s: the step running then started by s, and the
+    next one starts after it."""
+    clock = StepClock(spans, lambda batch: 1.0 + 0.5 * batch)
+    step = clock.step_at(seconds)
+    assert clock.seconds_until(step) == pytest.approx(seconds, abs=1e-9)
+    assert clock.seconds_until(math.floor(step)) <= seconds + 1e-9
+    assert clock.seconds_until(math.floor(step) + 1) > seconds

@@ -580,18 +580,40 @@ class AdmissionController:
         memo = self._walk_memo
         if memo is not None and memo[0] == key and memo[1] is running:
             return memo[2]
-        queued = [waiter for entry in self.queue.ahead_of(band, tenant, order)
-                  if isinstance(waiter := entry.payload, _Waiter)]
+        entries = [entry for entry in self.queue.ahead_of(band, tenant, order)
+                   if isinstance(entry.payload, _Waiter)]
+        queued = [cast(_Waiter, entry.payload) for entry in entries]
         ahead: _QueueAhead | None = None
         if queued:
             walk = QueueWalk(running.profile)
-            fits = walk.admit_all([waiter.holding for waiter in queued], target)
+            fits = walk.admit_all([waiter.holding for waiter in queued], target,
+                                  self._latest_steps(now, running, entries))
             ahead = _QueueAhead(walk if fits else None,
                                 sum(waiter.cost.kv_blocks for waiter in queued),
                                 self._holdings_clock(now, running, walk.spans) if fits
                                 else None)
         self._walk_memo = (key, running, ahead)
         return ahead
+
+    def _latest_steps(self, now: float, running: RunningHoldings,
+                      entries: Sequence[Entry]) -> list[float]:
+        """The last engine step each queued entry can be let in at before the queue
+        refuses it (its TTFT target less its prefill, or the queue's maximum wait), on
+        the model's clock: the wait ratio scales the model's waits into the waits
+        requests have. Counted at the steps of the running requests alone: requests let
+        in meanwhile slow the steps, so it may come sooner, never later (one refused
+        sooner only shortens the wait behind it)."""
+        clock = self._running_clock(now, running)
+        factor = self.wait_ratio.factor
+        max_wait_s = self.settings.limits.max_wait_s
+        latest: list[float] = []
+        for entry in entries:
+            until = entry.arrival_s + max_wait_s
+            if entry.deadline_s is not None:
+                until = min(until, entry.deadline_s
+                            - cast(_Waiter, entry.payload).cost.deadline_prefill_s)
+            latest.append(clock.step_at(max(0.0, until - now) / factor))
+        return latest
 
     def _unexplained_wait_s(self, running: RunningHoldings, blocks: float,
                             now: float) -> float:

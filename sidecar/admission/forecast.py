@@ -117,6 +117,14 @@ def holdings_profile(holdings: Sequence[Holding], base_blocks: float = 0.0
     """(step, blocks held) at step 0 and at the last step of each request (each
     holding is nondecreasing while it lasts, so the sum peaks at one of those steps),
     in step order. O(n log n)."""
+    return _profile_and_lines(holdings, base_blocks)[0]
+
+
+def _profile_and_lines(holdings: Sequence[Holding], base_blocks: float
+                       ) -> tuple[list[tuple[int, float]], list[tuple[float, float]]]:
+    """`holdings_profile`, and after each of its points a line (blocks at step 0,
+    blocks per step) that bounds the sum until the next point: the holdings still
+    running, those not at their cap yet taken as never reaching it."""
     # Saturation: the step from which a holding stays at its cap.
     start = sum_rate = capped = 0.0
     saturated = [False] * len(holdings)
@@ -137,6 +145,7 @@ def holdings_profile(holdings: Sequence[Holding], base_blocks: float = 0.0
     saturations.sort()
     ends = sorted((h.end_steps - 1, i) for i, h in enumerate(holdings) if alive[i])
     profile = [(0, base_blocks + start + capped)]
+    lines = [(base_blocks + start + capped, sum_rate)]
     next_saturation = 0
     for step, i in ends:
         while (next_saturation < len(saturations)
@@ -155,7 +164,8 @@ def holdings_profile(holdings: Sequence[Holding], base_blocks: float = 0.0
         else:
             start -= holdings[i].start_blocks
             sum_rate -= holdings[i].blocks_per_step
-    return profile
+        lines.append((base_blocks + start + capped, sum_rate))
+    return profile, lines
 
 
 def holdings_peak(holdings: Sequence[Holding], base_blocks: float = 0.0) -> float:
@@ -179,16 +189,52 @@ class RoomProfile:
     steps: tuple[int, ...]  # step 0, then each last step, ascending
     suffix_max: tuple[float, ...]  # the most held at these steps and after
     base_blocks: float
+    # The most held over 2**level points from each (a sparse table: `most_over`).
+    by_level: tuple[tuple[float, ...], ...] = ()
+    # After each point, a line bounding the sum until the next (`_profile_and_lines`).
+    lines: tuple[tuple[float, float], ...] = ()
 
     @staticmethod
     def of(holdings: Sequence[Holding], base_blocks: float = 0.0) -> RoomProfile:
-        profile = holdings_profile(holdings, base_blocks)
+        profile, lines = _profile_and_lines(holdings, base_blocks)
         suffix = [0.0] * len(profile)
         most = base_blocks
         for index in range(len(profile) - 1, -1, -1):
             most = max(most, profile[index][1])
             suffix[index] = most
-        return RoomProfile(tuple(step for step, _ in profile), tuple(suffix), base_blocks)
+        level = [blocks for _, blocks in profile]
+        by_level = [tuple(level)]
+        width = 1
+        while 2 * width <= len(profile):
+            level = [max(level[i], level[i + width]) for i in range(len(level) - width)]
+            by_level.append(tuple(level))
+            width *= 2
+        return RoomProfile(tuple(step for step, _ in profile), tuple(suffix), base_blocks,
+                           tuple(by_level), tuple(lines))
+
+    def most_over(self, first: int, last: int) -> tuple[float, int | None]:
+        """The most held at any step from `first` to `last`, and the first step after
+        `first` from which that may be less (None: never). Between two points nothing
+        ends and every holding grows: the most is at a point within, or at `last`,
+        bounded there by the next point and by the line after the one before. O(log n)."""
+        steps = self.steps
+        count = len(steps)
+        low = bisect.bisect_left(steps, first)
+        if low >= count:
+            return self.base_blocks, None
+        high = bisect.bisect_left(steps, last)  # the first point at `last` or after
+        if high < count and steps[high] == last:
+            most = self.by_level[0][high]
+        else:
+            at_zero, per_step = self.lines[high - 1]
+            most = at_zero + per_step * last
+            if high < count:
+                most = min(most, self.by_level[0][high])
+        if high > low:  # the points from `first` to before `last`
+            level = (high - low).bit_length() - 1
+            row = self.by_level[level]
+            most = max(most, row[low], row[high - (1 << level)])
+        return most, steps[low] + 1
 
     def most_from(self, step: int) -> tuple[float, int | None]:
         """The most held at `step` and every step after, and the first step after it

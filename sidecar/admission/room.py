@@ -380,73 +380,86 @@ class KVRoom:
 class QueueWalk:
     """The queue's requests admitted in turn as room frees beside the running ones
     (`profile`): each, in order, at the first step (not before the one ahead of it) from
-    which its peak stays within the limit beside what is held then and after, holding
-    its peak until its last step. What the running requests and the queued ones
-    admitted so far hold from a step on never grows later, so each request needs
-    checking only at the step it would start: O((running + queued) log) in all. The
-    walk keeps where it stands, so that a newcomer behind the same queue is priced from
-    there (`steps_until_admitted`) without walking the queue again, and the steps each
-    admitted one runs over (`spans`), which the time of the steps ahead depends on
-    (`step_clock`)."""
+    which its peak stays within the limit at every step until its last, beside the
+    running requests then and the queued ones admitted before it (each holding its peak
+    until its last step). Those admitted before it hold no more after its start than at
+    it, and the running requests' most over its steps (`RoomProfile.most_over`) can
+    only fall when one of their last steps leaves the window: the steps to try are
+    where the walk stands, those last steps and the ends of those admitted, each passed
+    once: O((running + queued) log) in all. A request the queue refuses before room
+    comes for it (`latest_steps`) holds nothing. The walk keeps where it stands, so
+    that a newcomer behind the same queue is priced from there (`steps_until_admitted`)
+    without walking the queue again, and the steps each admitted one runs over
+    (`spans`), which the time of the steps ahead depends on (`step_clock`)."""
 
-    __slots__ = ("_at", "_changes", "_ends", "_held", "_most", "_profile", "spans", "step")
+    __slots__ = ("_ends", "_held", "_profile", "spans", "step")
 
     def __init__(self, profile: RoomProfile) -> None:
         self._profile = profile
-        self._ends: list[tuple[int, float]] = []  # (last step, peak) of those admitted
+        self._ends: list[tuple[int, float]] = []  # (the step after its last, peak)
         # (first step, the step after its last) of each admitted: they run then.
         self.spans: list[tuple[int, int]] = []
         self._held = 0.0
         self.step = 0
-        # The running requests' most from `_at` on, and where that may change.
-        self._at = -1
-        self._most = 0.0
-        self._changes: int | None = None
 
     def copy(self) -> QueueWalk:
         other = QueueWalk(self._profile)
         other._ends, other._held, other.step = list(self._ends), self._held, self.step
         other.spans = list(self.spans)
-        other._at, other._most, other._changes = self._at, self._most, self._changes
         return other
 
-    def admit_all(self, holdings: Iterable[Holding], limit_blocks: float) -> bool:
+    def admit_all(self, holdings: Iterable[Holding], limit_blocks: float,
+                  latest_steps: Sequence[float] = ()) -> bool:
         """Admit each in turn at the first step it fits from where the walk stands (its
         loop kept in local variables: a long queue is walked for every arrival); False
-        when one never fits (the walk is then over)."""
+        when one never fits (the walk is then over).
+
+        `latest_steps[i]`, when given, is the last step the i-th can be let in at (the
+        queue refuses it then: its deadline, or the queue's maximum wait). One that fits
+        only later holds nothing: it is refused at that step, and those behind it wait
+        for it until then at most."""
         ends = self._ends
         step, held = self.step, self._held
-        at, most, changes = self._at, self._most, self._changes
-        most_from = self._profile.most_from
+        most_over = self._profile.most_over
         heappop, heappush = heapq.heappop, heapq.heappush
         spans = self.spans
         limit = limit_blocks + 1e-9
         fits = True
-        for holding in holdings:
+        bounded = len(latest_steps)
+        for index, holding in enumerate(holdings):
             cap = holding.cap_blocks
+            length = max(1, holding.end_steps)
+            latest = latest_steps[index] if index < bounded else math.inf
+            refused = False
             while True:
                 while ends and ends[0][0] <= step:
                     held -= heappop(ends)[1]
-                if at != step:
-                    most, changes = most_from(step)
-                    at = step
+                most, changes = most_over(step, step + length - 1)
                 if most + held + cap <= limit:
+                    refused = step > latest
                     break
                 if ends:
                     first_end = ends[0][0]
-                    step = first_end if changes is None or first_end < changes else changes
+                    after = first_end if changes is None or first_end < changes else changes
                 elif changes is None:
-                    fits = False
-                    break
+                    after = -1  # never
                 else:
-                    step = changes
+                    after = changes
+                if after < 0 or after > latest:
+                    # Refused before room comes for it (at once if that step has passed).
+                    refused = latest < math.inf
+                    fits = refused
+                    break
+                step = after
+            if refused:
+                step = max(step, math.ceil(latest))
+                continue
             if not fits:
                 break
-            heappush(ends, (step + max(1, holding.end_steps), cap))
-            spans.append((step, step + max(1, holding.end_steps)))
+            heappush(ends, (step + length, cap))
+            spans.append((step, step + length))
             held += cap
         self.step, self._held = step, held
-        self._at, self._most, self._changes = at, most, changes
         return fits
 
     def steps_until_admitted(self, holding: Holding, limit_blocks: float) -> float:

@@ -69,3 +69,16 @@ class StepClock:
             return math.inf
         piece = bisect.bisect_right(self._starts, step) - 1
         return self._seconds[piece] + (step - self._starts[piece]) * self._step_s[piece]
+
+    def step_at(self, seconds: float) -> float:
+        """The engine step running `seconds` from now, with its fraction done: the
+        inverse of `seconds_until` (0 for 0 or less; inf for inf)."""
+        if not seconds > 0:  # also NaN
+            return 0.0
+        if math.isinf(seconds):
+            return math.inf
+        piece = bisect.bisect_right(self._seconds, seconds) - 1
+        per_step = self._step_s[piece]
+        if per_step <= 0:  # steps that take no time: every step ahead runs by then
+            return math.inf
+        return self._starts[piece] + (seconds - self._seconds[piece]) / per_step
