@@ -108,7 +108,8 @@ def run(samples: int, seed: int, queued: int) -> dict[str, Any]:
                      blocks=cost.kv_blocks,
                      cost=cost.gpu_seconds(controller.ledger.capacity_blocks),
                      payload=_Waiter(loop.create_future(), req, cost,
-                                     controller.room.queued(req, cost)))
+                                     controller.room.queued(req, cost),
+                                     controller._refused_at_s(req, cost, controller.clock())))
 
     # Fill the cache with running requests, then the queue with waiting ones (nothing
     # frees KV during the measurement, so none is dispatched; the queue is full).

@@ -151,6 +151,8 @@ class _Waiter:
     request: AdmissionRequest
     cost: RequestCost
     holding: Holding  # what it will hold once admitted (`KVRoom.queued`)
+    # When the queue refuses it unless let in before (`AdmissionController._refused_at_s`).
+    refused_at_s: float = math.inf
     # Set when room came for it too late to make its target: the wait it had.
     room_after_s: float | None = None
 
@@ -541,8 +543,9 @@ class AdmissionController:
         bands, fairness between tenants): the steps until the running requests'
         holdings leave it room for good, at the predicted time per step (the answer
         admission gives). Requests queued ahead: they do not wait for room all at
-        once; each is admitted in turn as room frees, holding its peak until its last
-        step, and this request after them (`QueueWalk`)."""
+        once; each is admitted in turn as room frees over its own steps, holding its
+        peak until its last step, and this request after them; one the queue will
+        refuse before room comes for it holds nothing (`QueueWalk`)."""
         now = self.clock()
         running = self._running_holdings(now)
         target = self.ledger.target_blocks
@@ -580,14 +583,13 @@ class AdmissionController:
         memo = self._walk_memo
         if memo is not None and memo[0] == key and memo[1] is running:
             return memo[2]
-        entries = [entry for entry in self.queue.ahead_of(band, tenant, order)
-                   if isinstance(entry.payload, _Waiter)]
-        queued = [cast(_Waiter, entry.payload) for entry in entries]
+        queued = [waiter for entry in self.queue.ahead_of(band, tenant, order)
+                  if isinstance(waiter := entry.payload, _Waiter)]
         ahead: _QueueAhead | None = None
         if queued:
             walk = QueueWalk(running.profile)
             fits = walk.admit_all([waiter.holding for waiter in queued], target,
-                                  self._latest_steps(now, running, entries))
+                                  self._latest_steps(now, running, queued))
             ahead = _QueueAhead(walk if fits else None,
                                 sum(waiter.cost.kv_blocks for waiter in queued),
                                 self._holdings_clock(now, running, walk.spans) if fits
@@ -595,25 +597,26 @@ class AdmissionController:
         self._walk_memo = (key, running, ahead)
         return ahead
 
+    def _refused_at_s(self, request: AdmissionRequest, cost: RequestCost,
+                      now: float) -> float:
+        """When the queue refuses `request`, queued at `now`, unless let in before: its
+        TTFT target less its prefill (`deadline`), or the queue's maximum wait
+        (`queue_timeout`)."""
+        until = now + self.settings.limits.max_wait_s
+        if request.ttft_slo_s is not None:
+            until = min(until, now + request.ttft_slo_s - cost.deadline_prefill_s)
+        return until
+
     def _latest_steps(self, now: float, running: RunningHoldings,
-                      entries: Sequence[Entry]) -> list[float]:
-        """The last engine step each queued entry can be let in at before the queue
-        refuses it (its TTFT target less its prefill, or the queue's maximum wait), on
-        the model's clock: the wait ratio scales the model's waits into the waits
-        requests have. Counted at the steps of the running requests alone: requests let
-        in meanwhile slow the steps, so it may come sooner, never later (one refused
-        sooner only shortens the wait behind it)."""
-        clock = self._running_clock(now, running)
+                      queued: Sequence[_Waiter]) -> list[float]:
+        """The last engine step each queued request can be let in at before the queue
+        refuses it (`_refused_at_s`), on the model's clock: the wait ratio scales the
+        model's waits into the waits requests have. Counted at the steps of the running
+        requests alone: requests let in meanwhile slow the steps, so it may come
+        sooner, never later (one refused sooner only shortens the wait behind it)."""
         factor = self.wait_ratio.factor
-        max_wait_s = self.settings.limits.max_wait_s
-        latest: list[float] = []
-        for entry in entries:
-            until = entry.arrival_s + max_wait_s
-            if entry.deadline_s is not None:
-                until = min(until, entry.deadline_s
-                            - cast(_Waiter, entry.payload).cost.deadline_prefill_s)
-            latest.append(clock.step_at(max(0.0, until - now) / factor))
-        return latest
+        return self._running_clock(now, running).steps_at(
+            [(waiter.refused_at_s - now) / factor for waiter in queued])
 
     def _unexplained_wait_s(self, running: RunningHoldings, blocks: float,
                             now: float) -> float:
@@ -718,13 +721,12 @@ class AdmissionController:
             blocks=cost.kv_blocks,
             cost=cost.gpu_seconds(self.ledger.capacity_blocks),
             deadline_s=deadline,
-            payload=_Waiter(future, request, cost, self.room.queued(request, cost)),
+            payload=_Waiter(future, request, cost, self.room.queued(request, cost),
+                            self._refused_at_s(request, cost, now)),
         ))
         if self.queue.peek(now) is entry:  # a request behind the head changes nothing
             self.blockage.set(self._arrival_limit or self._queue_limit(now), now)
-        timeout = self.settings.limits.max_wait_s
-        if deadline is not None:
-            timeout = min(timeout, max(0.0, deadline - now - cost.deadline_prefill_s))
+        timeout = max(0.0, cast(_Waiter, entry.payload).refused_at_s - now)
         try:
             result = await asyncio.wait_for(asyncio.shield(future), timeout)
         except TimeoutError:

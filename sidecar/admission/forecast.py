@@ -184,7 +184,8 @@ def steps_until_room(holdings: Sequence[Holding], blocks: float, limit_blocks: f
 @dataclass(frozen=True)
 class RoomProfile:
     """The holdings' sum at each request's last step, with the most it reaches from
-    there on: how long until some more blocks fit for good, in O(log n)."""
+    there on: how long until some more blocks fit for good, in O(log n); and the most
+    over a window of steps (`most_over`: whether a request fits while it runs)."""
 
     steps: tuple[int, ...]  # step 0, then each last step, ascending
     suffix_max: tuple[float, ...]  # the most held at these steps and after

@@ -70,6 +70,11 @@ class StepClock:
         piece = bisect.bisect_right(self._starts, step) - 1
         return self._seconds[piece] + (step - self._starts[piece]) * self._step_s[piece]
 
+    def steps_at(self, seconds: Iterable[float]) -> list[float]:
+        """`step_at` of each (one call for a whole queue)."""
+        step_at = self.step_at
+        return [step_at(each) for each in seconds]
+
     def step_at(self, seconds: float) -> float:
         """The engine step running `seconds` from now, with its fraction done: the
         inverse of `seconds_until` (0 for 0 or less; inf for inf)."""
