@@ -1041,7 +1041,8 @@ def test_the_wait_behind_queued_requests_matches_a_step_by_step_replay(
     step until its own last: replayed step by step, it starts no later than predicted, and at the
     predicted step it fits. One that would start after its latest step is refused
     there: it holds nothing, and the next one waits for it until then at most (the
-    replay on the profile, as the walk counts)."""
+    replay on the profile, as the walk counts). Nobody starts before the running
+    requests alone stay within the limit for good."""
     held = RunningHoldings((), tuple(running), base, 0)
     *ahead, mine = queued or [Holding(1.0, 0.0, 1.0, 1)]
     walk = QueueWalk(held.profile)
@@ -1061,7 +1062,12 @@ def test_the_wait_behind_queued_requests_matches_a_step_by_step_replay(
 
     def replay(exact: bool) -> float:
         started: list[tuple[int, Holding]] = []
-        step = 0
+        # Nobody goes in before the running requests alone stay within the limit for
+        # good (admission checks every step ahead).
+        alone_fit_from = held.profile.steps_until_room(0.0, limit)
+        if alone_fit_from == math.inf:
+            return math.inf
+        step = int(alone_fit_from)
         for index, holding in enumerate((*ahead, mine)):
             last = latest[index] if index < min(len(ahead), len(latest)) else math.inf
             start = step
@@ -1275,6 +1281,19 @@ def test_the_walk_passes_over_a_request_the_queue_refuses_before_room_comes() ->
     assert not QueueWalk(RoomProfile.of([])).admit_all([huge, third], 15)
 
 
+def test_the_walk_lets_nobody_in_while_the_running_requests_alone_will_exceed_the_limit(
+        ) -> None:
+    """A running request grows past the limit by itself (at step 16, until its last,
+    19): admission checks every step ahead, so a short request that would fit at once
+    over its own step is let in only after it ends."""
+    grows = RoomProfile.of([Holding(0, 1.0, 30, end_steps=20)])
+    walk = QueueWalk(grows)
+    assert walk.admit_all([Holding(1, 0, 1, end_steps=1)], 15)
+    assert walk.spans == [(20, 21)]
+    assert not QueueWalk(RoomProfile.of([Holding(20, 0, 20, end_steps=5)], base_blocks=16)
+                         ).admit_all([Holding(1, 0, 1, end_steps=1)], 15)
+
+
 def test_a_wait_behind_short_queued_requests_is_their_turnover_not_the_longest_run() -> None:
     """Requests queued ahead are admitted in turn as room frees and leave when they
     finish: the wait behind them is not the time until all of them fit at once (here:
@@ -1365,13 +1384,19 @@ def test_queue_waits_are_corrected_by_the_waits_requests_then_had() -> None:
         loop.close()
 
 
-def test_a_queued_request_that_will_be_refused_holds_no_room_in_the_wait_behind_it() -> None:
+@pytest.mark.parametrize("wait_ratio", [1.0, 2.0])
+def test_a_queued_request_that_will_be_refused_holds_no_room_in_the_wait_behind_it(
+        wait_ratio: float) -> None:
     """A low-priority request queued for room after a blocker; then a high-priority one
     goes ahead of it and holds the room until long after its target. The queue will
     refuse it at its target: a newcomer behind it waits for that refusal, not for room
-    for it after the high-priority one."""
+    for it after the high-priority one. In the model's time: requests have waited
+    `wait_ratio` times what the model said, so its refusal comes after as much less."""
     clock = FakeClock()
     ctl = controller(num_blocks=41, clock=clock, limits=QueueLimits(max_wait_s=1e6))
+    for _ in range(MIN_SAMPLES):
+        ctl.wait_ratio.observe(0.1, 0.1 * wait_ratio)
+    assert ctl.wait_ratio.factor == pytest.approx(wait_ratio)
     loop = FakeClockLoop(clock)
     try:
         # On a target of 38 blocks: a blocker of 20 blocks for 10 steps.
@@ -1395,7 +1420,8 @@ def test_a_queued_request_that_will_be_refused_holds_no_room_in_the_wait_behind_
             loop.run_until_complete(admit(ctl, prompt_tokens=10, max_tokens=6, band=2,
                                           ttft_slo_s=1e-6))
         wait_s = late.value.decision.details["model_wait_s"]
-        assert until_refused_s <= wait_s < until_refused_s + 2 * step_s  # type: ignore[operator]
+        model_until_s = until_refused_s / wait_ratio
+        assert model_until_s <= wait_s < model_until_s + 2 * step_s  # type: ignore[operator]
         assert wait_s < 60 * step_s  # type: ignore[operator]
         # And the queue refuses it so: room for it comes only after its target.
         blocker.finish()  # type: ignore[attr-defined]
@@ -1442,18 +1468,23 @@ def test_the_entries_ahead_of_a_newcomer_are_those_the_queue_takes_first(
     assert len(pushed) == 6
 
 
-def test_the_entries_ahead_come_band_by_band_as_the_queue_serves_them() -> None:
+def test_the_entries_ahead_come_in_the_order_the_queue_serves_them() -> None:
     """The walk of the queue lets them in in this order: the more important bands
-    first, whenever their requests came."""
+    first, whenever their requests came, and each tenant's in its own order."""
     from sidecar.admission.policies import FAIRNESS, ORDERINGS, StrictPriority
     from sidecar.admission.queue import AdmissionQueue, Entry
 
     queue = AdmissionQueue(ORDERINGS["fcfs"](), FAIRNESS["none"](), StrictPriority(None))
-    for i, (band, name) in enumerate([(2, "low-1"), (1, "mine-1"), (1, "mine-2"),
-                                      (0, "vip-1"), (0, "vip-2")]):
+    for i, (band, name) in enumerate([(2, "low-1"), (1, "mine-1"), *(
+            (1, f"mine-{n}") for n in range(2, 7)), (0, "vip-1"), (0, "vip-2")]):
         queue.push(Entry(float(i), band, "mine", 1, 1.0, payload=name))
+    # Once the first have gone, a heap is no longer in order in its list.
+    assert [queue.pop(0.0).payload for _ in range(3)] == [  # type: ignore[union-attr]
+        "vip-1", "vip-2", "mine-1"]
     ahead = [entry.payload for entry in queue.ahead_of(2, "mine")]
-    assert ahead == ["vip-1", "vip-2", "mine-1", "mine-2", "low-1"]
+    assert ahead == ["mine-2", "mine-3", "mine-4", "mine-5", "mine-6", "low-1"]
+    # A newcomer's own tenant's, of its own band, in the same order.
+    assert [entry.payload for entry in queue.ahead_of(1, "mine")] == ahead[:-1]
     served = [entry.payload for entry in iter(lambda: queue.pop(0.0), None)]
     assert served == ahead
 

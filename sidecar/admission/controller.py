@@ -161,7 +161,9 @@ class _Waiter:
 class _QueueAhead:
     """The requests queued ahead of a newcomer, walked through the room in turn."""
 
-    walk: QueueWalk | None  # None: one of them never fits
+    # None: room never comes (for one of them without a latest step, or for anyone
+    # while the running requests alone exceed the target for good).
+    walk: QueueWalk | None
     blocks: int  # their reserved peaks together
     clock: StepClock | None  # the steps ahead, with them let in as the walk lets them
 
@@ -615,8 +617,11 @@ class AdmissionController:
         requests alone: requests let in meanwhile slow the steps, so it may come
         sooner, never later (one refused sooner only shortens the wait behind it)."""
         factor = self.wait_ratio.factor
-        return self._running_clock(now, running).steps_at(
+        steps = self._running_clock(now, running).steps_at(
             [(waiter.refused_at_s - now) / factor for waiter in queued])
+        # One whose time has passed is being refused (its timer is due): -1, before any
+        # step it could be let in at.
+        return [step if step > 0 else -1.0 for step in steps]
 
     def _unexplained_wait_s(self, running: RunningHoldings, blocks: float,
                             now: float) -> float:

@@ -165,6 +165,8 @@ def _profile_and_lines(holdings: Sequence[Holding], base_blocks: float
             start -= holdings[i].start_blocks
             sum_rate -= holdings[i].blocks_per_step
         lines.append((base_blocks + start + capped, sum_rate))
+    if len(lines) > 1:  # every holding has ended: the base, without rounding left over
+        lines[-1] = (base_blocks, 0.0)
     return profile, lines
 
 
@@ -215,7 +217,8 @@ class RoomProfile:
 
     def most_over(self, first: int, last: int) -> tuple[float, int | None]:
         """The most held at any step from `first` to `last`, and the first step after
-        `first` from which that may be less (None: never). Between two points nothing
+        `first` from which that over as many steps may be less (None: never; a window
+        starting before that holds at least as much). Between two points nothing
         ends and every holding grows: the most is at a point within, or at `last`,
         bounded there by the next point and by the line after the one before. O(log n)."""
         steps = self.steps

@@ -194,11 +194,11 @@ class AdmissionQueue:
         the ordering `key`, `newcomer_key`; None: after all of its tenant's): those of
         the more important bands, and of its own band those the fairness policy takes
         first, its own tenant's those its ordering puts first. Starvation promotions are
-        not foreseen. The more important bands come first, as the queue serves them;
-        within a band, tenant by tenant (the queue alternates between them), the newcomer's
-        own tenant and the more important bands' in the order of their heaps, not sorted.
-        (A list, built in comprehensions: with thousands queued, every arrival's
-        predicted wait reads it, and sorting would cost it O(k log k).)"""
+        not foreseen. In the order the queue serves them: the more important bands
+        first, each tenant's in its own order; a band's tenants one after another, where
+        the queue alternates between them. (A list, built in comprehensions: with
+        thousands queued, every arrival's predicted wait reads it. Each tenant's heap is
+        sorted, nearly in order already: O(k) for most.)"""
         ahead: list[Entry] = []
         for number in sorted(self._bands):
             if number > band:
@@ -206,11 +206,11 @@ class AdmissionQueue:
             found = self._bands[number]
             if number < band:
                 for other in found.tenants.values():
-                    ahead += [entry for _, _, entry in other.heap if not entry.removed]
+                    ahead += [entry for _, _, entry in sorted(other.heap) if not entry.removed]
                 continue
             mine = found.tenants.get(tenant)
             if mine is not None:
-                own = [entry for item_key, _, entry in mine.heap
+                own = [entry for item_key, _, entry in sorted(mine.heap)
                        if not entry.removed and (key is None or item_key <= key)]
                 ahead += own
                 served = mine.served_cost + sum(entry.cost for entry in own)

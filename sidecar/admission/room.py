@@ -387,7 +387,8 @@ class QueueWalk:
     only fall when one of their last steps leaves the window: the steps to try are
     where the walk stands, those last steps and the ends of those admitted, each passed
     once: O((running + queued) log) in all. A request the queue refuses before room
-    comes for it (`latest_steps`) holds nothing. The walk keeps where it stands, so
+    comes for it (`latest_steps`) holds nothing, and the walk goes on from the step it
+    is refused at. The walk keeps where it stands, so
     that a newcomer behind the same queue is priced from there (`steps_until_admitted`)
     without walking the queue again, and the steps each admitted one runs over
     (`spans`), which the time of the steps ahead depends on (`step_clock`)."""
@@ -412,14 +413,23 @@ class QueueWalk:
                   latest_steps: Sequence[float] = ()) -> bool:
         """Admit each in turn at the first step it fits from where the walk stands (its
         loop kept in local variables: a long queue is walked for every arrival); False
-        when one never fits (the walk is then over).
+        when one without a latest step never fits, or the running requests alone
+        exceed the limit for good (the walk is then over).
 
         `latest_steps[i]`, when given, is the last step the i-th can be let in at (the
-        queue refuses it then: its deadline, or the queue's maximum wait). One that fits
-        only later holds nothing: it is refused at that step, and those behind it wait
-        for it until then at most."""
+        queue refuses it then: its deadline, or the queue's maximum wait; below 0: it is
+        refused now). One that fits only later holds nothing: it is refused at that
+        step, and those behind it wait for it until then at most.
+
+        Admission lets nobody in while the running requests alone would exceed the
+        limit at a later step (`KVRoom.fits` checks every step ahead): nobody is let in
+        before they stay within it for good."""
         ends = self._ends
         step, held = self.step, self._held
+        alone_fit_from = self._profile.steps_until_room(0.0, limit_blocks)
+        if math.isinf(alone_fit_from):
+            return False
+        step = max(step, int(alone_fit_from))
         most_over = self._profile.most_over
         heappop, heappush = heapq.heappop, heapq.heappush
         spans = self.spans
@@ -452,7 +462,8 @@ class QueueWalk:
                     break
                 step = after
             if refused:
-                step = max(step, math.ceil(latest))
+                if latest > step:
+                    step = math.ceil(latest)
                 continue
             if not fits:
                 break
