@@ -388,10 +388,10 @@ class QueueWalk:
     where the walk stands, those last steps and the ends of those admitted, each passed
     once: O((running + queued) log) in all. A request the queue refuses before room
     comes for it (`latest_steps`) holds nothing, and the walk goes on from the step it
-    is refused at. The walk keeps where it stands, so
-    that a newcomer behind the same queue is priced from there (`steps_until_admitted`)
-    without walking the queue again, and the steps each admitted one runs over
-    (`spans`), which the time of the steps ahead depends on (`step_clock`)."""
+    is refused at. The walk keeps where it stands, so that a newcomer behind the same
+    queue is priced from there (`steps_until_admitted`) without walking the queue
+    again, and the steps each admitted one runs over (`spans`), which the time of the
+    steps ahead depends on (`step_clock`)."""
 
     __slots__ = ("_ends", "_held", "_profile", "spans", "step")
 
